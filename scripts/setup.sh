@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# Idempotent set-up of hvdtrain's stack on a fresh Debian machine (see ../shared/DESIGN.md).
+#
+#   bash scripts/setup.sh            # what `make setup` runs
+#
+# 1. Open MPI from Debian's packages when mpirun/mpicc are missing.
+# 2. A virtualenv (.venv) with the pinned stack from requirements/constraints.txt.
+# 3. Horovod built from the registry's source archive with PyTorch + TensorFlow + MPI + Gloo,
+#    patched for C++17 (PyTorch >= 2.1 needs it), cached as a wheel outside the checkout in
+#    $HVDTRAIN_CACHE (default ~/.cache/hvdtrain) keyed by Horovod, torch, TF, Python and the patch,
+#    so a second set-up takes seconds.
+# 4. hvdtrain itself, editable.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=${VENV:-$ROOT/.venv}
+PYTHON=${PYTHON:-python3.11}
+CACHE=${HVDTRAIN_CACHE:-$HOME/.cache/hvdtrain}
+CONSTRAINTS=$ROOT/requirements/constraints.txt
+HOROVOD_VERSION=0.28.1
+PATCH_ID=cxx17-v1
+
+log() { printf '[setup] %s\n' "$*"; }
+
+# ---- 1. system packages -------------------------------------------------------------------
+apt_pkgs=()
+command -v mpirun >/dev/null 2>&1 || apt_pkgs+=(openmpi-bin)
+command -v mpicc >/dev/null 2>&1 || apt_pkgs+=(libopenmpi-dev)
+command -v ssh >/dev/null 2>&1 || apt_pkgs+=(openssh-client)
+if [ ${#apt_pkgs[@]} -gt 0 ]; then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "setup: need ${apt_pkgs[*]}; run as root or install them with apt-get first" >&2
+    exit 1
+  fi
+  log "apt-get install ${apt_pkgs[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${apt_pkgs[@]}" >/dev/null
+fi
+
+# ---- 2. virtualenv with the pinned stack ------------------------------------------------------
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+PY=$VENV/bin/python
+PIP=("$PY" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS")
+stamp=$VENV/.hvdtrain-deps-$(sha256sum "$CONSTRAINTS" | cut -c1-12)
+if [ ! -f "$stamp" ]; then
+  log "installing the pinned stack into $VENV (first time: a few minutes)"
+  "${PIP[@]}" --upgrade pip wheel setuptools
+  # torch first, on its own, so that nothing drags in a CUDA build.
+  "${PIP[@]}" torch
+  "${PIP[@]}" tensorflow-cpu "numpy" mpi4py scikit-learn tqdm filelock packaging cloudpickle \
+    psutil pyyaml pytest matplotlib
+  touch "$stamp"
+fi
+
+# ---- 3. Horovod wheel, built once and cached ---------------------------------------------------
+torch_v=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')
+tf_v=$("$PY" -c 'import importlib.metadata as m; print(m.version("tensorflow-cpu"))')
+py_v=$("$PY" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
+key="horovod-$HOROVOD_VERSION-torch$torch_v-tf$tf_v-$py_v-$PATCH_ID"
+wheel_dir=$CACHE/wheels/$key
+
+have_horovod() {
+  "$PY" - <<'PY' 2>/dev/null
+import horovod, horovod.torch as ht, horovod.tensorflow as htf
+assert horovod.__version__ == "0.28.1"
+assert ht.mpi_built() and ht.gloo_built()
+PY
+}
+
+if ! have_horovod; then
+  if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
+    log "building Horovod $HOROVOD_VERSION (about 6 minutes on 2 cores); cache: $wheel_dir"
+    work=$(mktemp -d)
+    trap 'rm -rf "$work"' EXIT
+    "$PY" -m pip download -q --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$work"
+    tar -xzf "$work"/horovod-"$HOROVOD_VERSION".tar.gz -C "$work"
+    src=$work/horovod-$HOROVOD_VERSION
+    # PyTorch >= 2.1 headers need C++17; Horovod 0.28.1 asks for C++14 in two places.
+    sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
+      "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
+    grep -q 'CMAKE_CXX_STANDARD 17' "$src/CMakeLists.txt"
+    grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt"
+    mkdir -p "$wheel_dir.tmp"
+    # Debian's cmake 3.25 (a pip cmake 4.x rejects Gloo's cmake_minimum_required).
+    PATH=/usr/bin:$PATH CMAKE_POLICY_VERSION_MINIMUM=3.5 \
+    HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
+    HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 HOROVOD_CPU_OPERATIONS=MPI MAKEFLAGS=-j2 \
+      "$PY" -m pip wheel -q --no-deps --no-build-isolation --no-cache-dir -w "$wheel_dir.tmp" "$src"
+    rm -rf "$wheel_dir" && mv "$wheel_dir.tmp" "$wheel_dir"
+  else
+    log "reusing cached Horovod wheel $wheel_dir"
+  fi
+  "$PY" -m pip install -q --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
+  have_horovod || { echo "setup: Horovod installed but lacks PyTorch/TensorFlow/MPI/Gloo support" >&2; exit 1; }
+fi
+
+# ---- 4. hvdtrain itself ------------------------------------------------------------------------
+"$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"
+log "done: $("$VENV/bin/horovodrun" --check-build | tr -s '\n' ' ' | cut -c1-200)"
