@@ -1,0 +1,105 @@
+"""The ``hvdtrain`` command: ``hvdtrain train ...`` and ``hvdtrain doctor``.
+
+Launch training the way Horovod users do::
+
+    horovodrun -np 2 hvdtrain train --framework torch --dataset digits
+    mpirun -np 2 -bind-to none -map-by slot -x PATH hvdtrain train --framework torch
+
+Options are validated before any framework is imported or Horovod starts, so bad input fails in
+a second with a message that names the option (exit status 2).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hvdtrain import __version__, runtime
+from hvdtrain.config import COMPRESSIONS, DATASETS, FRAMEWORKS, OPS, ConfigError, TrainConfig
+from hvdtrain.schedule import LR_SCALING_RULES
+
+
+def _fail(message: str, code: int = 2) -> int:
+    """Print ``message`` once per job (on rank 0) and return ``code``."""
+    if runtime.launcher_rank() == 0:
+        print(f"hvdtrain: error: {message}", file=sys.stderr)
+    return code
+
+
+def add_train_args(parser: argparse.ArgumentParser) -> None:
+    """The options of ``hvdtrain train``; defaults come from :class:`TrainConfig`."""
+    d = TrainConfig()
+    parser.add_argument("--framework", default=d.framework, help=f"one of {', '.join(FRAMEWORKS)}")
+    parser.add_argument("--dataset", default=d.dataset, help=f"one of {', '.join(DATASETS)}")
+    parser.add_argument("--epochs", type=int, default=d.epochs)
+    parser.add_argument("--batch-size", type=int, default=d.batch_size,
+                        help="local batch: samples per micro-batch on each rank")
+    parser.add_argument("--backward-passes-per-step", "-k", type=int,
+                        default=d.backward_passes_per_step,
+                        help="micro-batches accumulated per optimizer step (one all-reduce each)")
+    parser.add_argument("--lr", type=float, default=d.lr,
+                        help="single-process learning rate, scaled by --lr-scaling")
+    parser.add_argument("--momentum", type=float, default=d.momentum)
+    parser.add_argument("--lr-scaling", default=d.lr_scaling,
+                        help=f"one of {', '.join(LR_SCALING_RULES)}")
+    parser.add_argument("--warmup-epochs", type=float, default=d.warmup_epochs)
+    parser.add_argument("--compression", default=d.compression, help=f"one of {', '.join(COMPRESSIONS)}")
+    parser.add_argument("--op", default=d.op, help=f"one of {', '.join(OPS)}")
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--output-dir", default=d.output_dir)
+    parser.add_argument("--test-fraction", type=float, default=d.test_fraction)
+    parser.add_argument("--synthetic-samples", type=int, default=d.synthetic_samples)
+    parser.add_argument("--no-progress", dest="progress", action="store_false",
+                        help="no progress bar on rank 0")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Validate the options, then run the framework's trainer; 0 on success, 2 on bad input."""
+    fields = {k: v for k, v in vars(args).items() if k not in ("command", "func")}
+    try:
+        cfg = TrainConfig(**fields).validate()
+    except ConfigError as exc:
+        return _fail(str(exc))
+    if cfg.framework == "torch":
+        from hvdtrain.torch.trainer import fit
+    else:
+        return _fail("--framework keras is not available yet in this version; use torch")
+    fit(cfg)
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Print what Horovod supports here; 1 when the build lacks something hvdtrain needs."""
+    from hvdtrain import doctor
+    try:
+        info = doctor.check_build()
+    except RuntimeError as exc:
+        return _fail(str(exc), 1)
+    print(doctor.report(info))
+    issues = doctor.problems(info)
+    for issue in issues:
+        print(f"hvdtrain: error: {issue}", file=sys.stderr)
+    print("status:             " + ("NOT usable" if issues else "ok"))
+    return 1 if issues else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``hvdtrain`` argument parser with one sub-command per task."""
+    parser = argparse.ArgumentParser(prog="hvdtrain", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"hvdtrain {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a model on a dataset (run under horovodrun/mpirun)")
+    add_train_args(train)
+    train.set_defaults(func=cmd_train)
+    doctor = sub.add_parser("doctor", help="show what Horovod supports on this machine")
+    doctor.set_defaults(func=cmd_doctor)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``hvdtrain`` console script."""
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""One ``TrainConfig`` for ``hvdtrain train``, validated before any framework or process starts.
+
+Global batch = local batch (``batch_size``) x ``backward_passes_per_step`` x ``size``.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from hvdtrain.schedule import LR_SCALING_RULES
+
+FRAMEWORKS = ("torch", "keras")
+DATASETS = ("digits", "synthetic")
+COMPRESSIONS = ("none", "fp16")
+OPS = ("average", "adasum")
+
+
+class ConfigError(ValueError):
+    """An option value that cannot work; the message says which option and what to change."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything ``hvdtrain train`` needs.
+
+    Attributes:
+        framework: ``"torch"`` or ``"keras"``.
+        dataset: ``"digits"`` (scikit-learn's 1,797 8x8 handwritten digits, offline) or
+            ``"synthetic"`` (random images and labels, for throughput).
+        epochs: passes over the training split, >= 1.
+        batch_size: local batch: samples per micro-batch on one rank, >= 1.
+        backward_passes_per_step: micro-batches accumulated per optimizer step (k), >= 1.
+        lr: base learning rate, tuned for one process with one local batch per step, > 0.
+        momentum: SGD momentum in [0, 1).
+        lr_scaling: ``"linear"``, ``"sqrt"`` or ``"none"`` (see :mod:`hvdtrain.schedule`).
+        warmup_epochs: epochs of gradual warmup from ``lr`` to the scaled rate, >= 0.
+        compression: gradient compression for the all-reduce, ``"none"`` or ``"fp16"``.
+        op: ``"average"`` or ``"adasum"`` reduction of gradients.
+        seed: base seed; rank r uses ``runtime.rank_seed(seed, r)``.
+        output_dir: where rank 0 writes ``checkpoint.*`` and ``metrics.json``.
+        test_fraction: held-out share of the dataset, in (0, 1).
+        synthetic_samples: size of the synthetic dataset.
+        progress: show a progress bar on rank 0.
+    """
+    framework: str = "torch"
+    dataset: str = "digits"
+    epochs: int = 15
+    batch_size: int = 16
+    backward_passes_per_step: int = 1
+    lr: float = 0.02
+    momentum: float = 0.9
+    lr_scaling: str = "linear"
+    warmup_epochs: float = 2.0
+    compression: str = "none"
+    op: str = "average"
+    seed: int = 42
+    output_dir: str = "runs/latest"
+    test_fraction: float = 0.2
+    synthetic_samples: int = 2048
+    progress: bool = True
+    extra: dict = field(default_factory=dict)
+
+    def global_batch(self, size: int) -> int:
+        """Samples per optimizer step across all ranks: ``batch_size x k x size``."""
+        return self.batch_size * self.backward_passes_per_step * size
+
+    def to_dict(self) -> dict:
+        """A JSON-ready copy of the options."""
+        return asdict(self)
+
+    def validate(self) -> "TrainConfig":
+        """Check every option; return ``self``.
+
+        Raises:
+            ConfigError: the first option that cannot work, named with the flag to change.
+        """
+        def choice(flag, value, allowed):
+            if value not in allowed:
+                raise ConfigError(f"{flag} must be one of {', '.join(allowed)}; got {value!r}")
+
+        choice("--framework", self.framework, FRAMEWORKS)
+        choice("--dataset", self.dataset, DATASETS)
+        choice("--lr-scaling", self.lr_scaling, LR_SCALING_RULES)
+        choice("--compression", self.compression, COMPRESSIONS)
+        choice("--op", self.op, OPS)
+        for flag, value in (("--epochs", self.epochs), ("--batch-size", self.batch_size),
+                            ("--backward-passes-per-step", self.backward_passes_per_step),
+                            ("--synthetic-samples", self.synthetic_samples)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{flag} must be a whole number >= 1; got {value!r}")
+        if not self.lr > 0:
+            raise ConfigError(f"--lr must be > 0; got {self.lr!r}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"--momentum must be in [0, 1); got {self.momentum!r}")
+        if not self.warmup_epochs >= 0:
+            raise ConfigError(f"--warmup-epochs must be >= 0; got {self.warmup_epochs!r}")
+        if not 0 < self.test_fraction < 1:
+            raise ConfigError(f"--test-fraction must be in (0, 1); got {self.test_fraction!r}")
+        if self.op == "adasum" and self.lr_scaling == "linear":
+            raise ConfigError("--op adasum adapts the step size itself; use --lr-scaling none "
+                              "(or sqrt) with it, not linear")
+        check_writable_dir(self.output_dir, "--output-dir")
+        return self
+
+
+def check_writable_dir(path: str, flag: str) -> None:
+    """Make sure ``path`` is (or can be created as) a directory this process can write into.
+
+    Raises:
+        ConfigError: it is a file, cannot be created, or cannot be written (read-only mount,
+            permissions). The message names ``flag`` and the path.
+    """
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{flag} {path!r} is a file, not a directory; pass a directory path")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=p, prefix=".hvdtrain-write-test-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path!r} is not writable ({exc.strerror or exc}); "
+                          "pass a directory you can write to") from None
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path!r} is not writable; pass a directory you can write to")

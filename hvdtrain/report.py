@@ -1,0 +1,84 @@
+"""The run report both trainers write: one JSON schema for PyTorch and Keras, written by rank 0.
+
+``metrics.json``::
+
+    {"framework": "torch", "dataset": "digits", "size": 2, "local_batch": 16,
+     "backward_passes_per_step": 1, "global_batch": 32, "base_lr": 0.02, "scaled_lr": 0.04,
+     "lr_scaling": "linear", "warmup_epochs": 2.0, "train_samples": 1437, "test_samples": 360,
+     "epochs": [{"epoch": 1, "train_loss": ..., "train_accuracy": ..., "test_loss": ...,
+                 "test_accuracy": ..., "lr": ..., "optimizer_steps": ..., "seconds": ...,
+                 "samples_per_sec": ...}, ...],
+     "final_test_accuracy": 0.97, "samples_per_sec": ..., "config": {...}, "versions": {...}}
+
+Losses are mean cross-entropy (nats per sample); accuracies are fractions in [0, 1];
+``seconds`` is wall-clock training time of the epoch (evaluation excluded); ``samples_per_sec`` is
+training samples processed by all ranks per second.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from hvdtrain import __version__
+from hvdtrain.files import write_json
+
+METRICS_FILE = "metrics.json"
+log = logging.getLogger("hvdtrain")
+
+
+@dataclass
+class EpochMetrics:
+    """Global (all-rank) numbers for one epoch; see the module docstring for units."""
+    epoch: int
+    train_loss: float
+    train_accuracy: float
+    test_loss: float
+    test_accuracy: float
+    lr: float
+    optimizer_steps: int
+    seconds: float
+    samples_per_sec: float
+
+
+def setup_logging(rank: int) -> None:
+    """INFO logging on rank 0, warnings only on the other ranks (so the job prints once)."""
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"[hvdtrain rank {rank}] %(message)s", force=True)
+
+
+class RunReport:
+    """Collects epoch metrics and writes ``metrics.json`` atomically after each epoch (rank 0).
+
+    Args:
+        output_dir: directory for ``metrics.json``.
+        header: run-level fields (framework, dataset, size, batches, lrs, sample counts, config).
+        is_root: only the root rank writes and logs.
+    """
+
+    def __init__(self, output_dir: str | os.PathLike, header: dict, is_root: bool):
+        self.path = Path(output_dir) / METRICS_FILE
+        self.header = dict(header)
+        self.header.setdefault("versions", {})["hvdtrain"] = __version__
+        self.epochs: list[EpochMetrics] = []
+        self.is_root = is_root
+
+    def add(self, metrics: EpochMetrics) -> None:
+        """Record an epoch, log one line, and rewrite ``metrics.json`` (rank 0 only)."""
+        self.epochs.append(metrics)
+        if not self.is_root:
+            return
+        log.info("epoch %d: train loss %.4f acc %.4f | test loss %.4f acc %.4f | lr %.5f | "
+                 "%.0f samples/s", metrics.epoch, metrics.train_loss, metrics.train_accuracy,
+                 metrics.test_loss, metrics.test_accuracy, metrics.lr, metrics.samples_per_sec)
+        write_json(self.path, self.to_dict())
+
+    def to_dict(self) -> dict:
+        """The whole report as a JSON-ready dict."""
+        total_samples = sum(e.samples_per_sec * e.seconds for e in self.epochs)
+        total_seconds = sum(e.seconds for e in self.epochs)
+        return {**self.header,
+                "epochs": [asdict(e) for e in self.epochs],
+                "final_test_accuracy": self.epochs[-1].test_accuracy if self.epochs else None,
+                "samples_per_sec": total_samples / total_seconds if total_seconds else None}

@@ -1,0 +1,106 @@
+"""Process-level facts and settings that need no framework: rank from the launcher's environment,
+the per-rank thread budget, and per-rank seeds.
+
+``torch``/``tensorflow`` are not imported here; each adapter's ``init()`` calls ``hvd.init()`` and
+then applies :func:`thread_budget` and :func:`rank_seed` with its own framework's calls.
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+
+# Environment variables set by the launchers, in the order they are trusted.
+_RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+_LOCAL_SIZE_VARS = ("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+
+
+def _first_int(names: tuple[str, ...], default: int) -> int:
+    for name in names:
+        value = os.environ.get(name)
+        if value is not None and value.strip().isdigit():
+            return int(value)
+    return default
+
+
+def launcher_rank() -> int:
+    """This process's rank as the launcher (horovodrun/Gloo, Open MPI, MPICH) set it in the
+    environment, before ``hvd.init()``; 0 when not launched by one. Used to let only rank 0 print
+    errors found while validating input, before any framework is loaded."""
+    return _first_int(_RANK_VARS, 0)
+
+
+def launcher_local_size() -> int:
+    """Processes on this host according to the launcher's environment; 1 when not launched."""
+    return _first_int(_LOCAL_SIZE_VARS, 1)
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask), >= 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def thread_budget(local_size: int, cores: int | None = None) -> int:
+    """Intra-op threads each rank should use so that the ranks on one host do not fight over cores.
+
+    Args:
+        local_size: ranks on this host (``hvd.local_size()``), >= 1.
+        cores: cores on the host; defaults to :func:`available_cores`.
+
+    Returns:
+        ``max(1, cores // local_size)``.
+
+    Raises:
+        ValueError: ``local_size`` < 1.
+    """
+    if local_size < 1:
+        raise ValueError(f"local_size must be >= 1, got {local_size}")
+    cores = available_cores() if cores is None else cores
+    return max(1, cores // local_size)
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """A distinct, reproducible seed per rank: ``seed + 1000003 * rank`` modulo 2**31.
+
+    Rank 0 gets ``seed`` itself, so a single-process run seeded with ``seed`` starts from the same
+    random state as rank 0 of a parallel run (whose state is then broadcast to all ranks).
+    """
+    return (seed + 1_000_003 * rank) % (2**31)
+
+
+def seed_python_numpy(seed: int) -> None:
+    """Seed Python's ``random`` and NumPy's global generator (frameworks seed themselves)."""
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+class RankInfo:
+    """What ``init()`` set up for this process (both adapters return one).
+
+    Attributes:
+        rank: global rank in ``[0, size)``.
+        local_rank: rank among the processes on this host.
+        size: world size (number of processes).
+        local_size: processes on this host.
+        threads: intra-op threads given to this rank (:func:`thread_budget`).
+        seed: the seed this rank used (:func:`rank_seed`).
+    """
+    __slots__ = ("rank", "local_rank", "size", "local_size", "threads", "seed")
+
+    def __init__(self, rank: int, local_rank: int, size: int, local_size: int, threads: int,
+                 seed: int):
+        self.rank, self.local_rank, self.size = rank, local_rank, size
+        self.local_size, self.threads, self.seed = local_size, threads, seed
+
+    @property
+    def is_root(self) -> bool:
+        """True on rank 0, the rank that alone logs and writes files."""
+        return self.rank == 0
+
+    def __repr__(self) -> str:
+        return (f"RankInfo(rank={self.rank}, local_rank={self.local_rank}, size={self.size}, "
+                f"local_size={self.local_size}, threads={self.threads}, seed={self.seed})")

@@ -1,0 +1,47 @@
+import pytest
+
+from hvdtrain.config import ConfigError, TrainConfig
+
+
+def cfg(tmp_path, **kw):
+    return TrainConfig(output_dir=str(tmp_path / "out"), **kw)
+
+
+def test_defaults_validate_and_global_batch(tmp_path):
+    c = cfg(tmp_path, batch_size=8, backward_passes_per_step=2).validate()
+    assert c.global_batch(2) == 32
+    assert (tmp_path / "out").is_dir()
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(backward_passes_per_step=0), "--backward-passes-per-step must be a whole number >= 1; got 0"),
+    (dict(batch_size=0), "--batch-size must be a whole number >= 1; got 0"),
+    (dict(batch_size=-3), "--batch-size must be a whole number >= 1"),
+    (dict(epochs=0), "--epochs must be"),
+    (dict(framework="jax"), "--framework must be one of torch, keras; got 'jax'"),
+    (dict(dataset="imagenet"), "--dataset must be one of digits, synthetic; got 'imagenet'"),
+    (dict(lr=0.0), "--lr must be > 0"),
+    (dict(momentum=1.0), r"--momentum must be in \[0, 1\)"),
+    (dict(lr_scaling="cubic"), "--lr-scaling must be one of linear, sqrt, none"),
+    (dict(warmup_epochs=-1), "--warmup-epochs must be >= 0"),
+    (dict(compression="int8"), "--compression must be one of none, fp16"),
+    (dict(op="max"), "--op must be one of average, adasum"),
+    (dict(op="adasum"), "use --lr-scaling none"),
+    (dict(test_fraction=1.0), "--test-fraction"),
+])
+def test_bad_values_name_the_option(tmp_path, kw, match):
+    with pytest.raises(ConfigError, match=match):
+        cfg(tmp_path, **kw).validate()
+
+
+def test_output_dir_that_is_a_file(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
+        TrainConfig(output_dir=str(f)).validate()
+
+
+def test_output_dir_on_read_only_filesystem():
+    # /proc is read-only even for root.
+    with pytest.raises(ConfigError, match="--output-dir '/proc/hvdtrain' is not writable"):
+        TrainConfig(output_dir="/proc/hvdtrain").validate()

@@ -1,0 +1,62 @@
+import json
+
+import numpy as np
+import pytest
+
+from hvdtrain import data, runtime
+from hvdtrain.files import atomic_open, write_json
+
+
+def test_atomic_write_replaces_whole_file(tmp_path):
+    path = tmp_path / "m.json"
+    write_json(path, {"a": 1})
+    write_json(path, {"a": 2, "b": [1, 2]})
+    assert json.loads(path.read_text()) == {"a": 2, "b": [1, 2]}
+    assert [p.name for p in tmp_path.iterdir()] == ["m.json"]  # no temp files left
+
+
+def test_failed_write_keeps_the_last_good_file(tmp_path):
+    path = tmp_path / "ckpt.bin"
+    with atomic_open(path) as f:
+        f.write(b"good")
+    with pytest.raises(RuntimeError):
+        with atomic_open(path) as f:
+            f.write(b"half-writ")
+            raise RuntimeError("crash mid-write")
+    assert path.read_bytes() == b"good"
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.bin"]
+
+
+def test_digits_split_is_real_and_deterministic():
+    a, b = data.load_digits(), data.load_digits()
+    assert a.x_train.shape == (1437, 1, 8, 8) and a.x_test.shape == (360, 1, 8, 8)
+    assert a.x_train.dtype == np.float32 and 0.0 <= a.x_train.min() and a.x_train.max() <= 1.0
+    assert set(np.unique(a.y_test)) == set(range(10))
+    np.testing.assert_array_equal(a.y_test, b.y_test)
+
+
+def test_shard_indices_cover_every_sample_once():
+    shards = [data.shard_indices(11, r, 3) for r in range(3)]
+    assert sorted(np.concatenate(shards).tolist()) == list(range(11))
+
+
+def test_synthetic_and_unknown_dataset():
+    s = data.load("synthetic", synthetic_samples=100)
+    assert len(s.x_train) + len(s.x_test) == 100
+    with pytest.raises(ValueError, match="unknown dataset 'mnist'"):
+        data.load("mnist")
+
+
+@pytest.mark.parametrize("local_size,cores,expected", [(1, 2, 2), (2, 2, 1), (4, 2, 1), (2, 8, 4)])
+def test_thread_budget(local_size, cores, expected):
+    assert runtime.thread_budget(local_size, cores) == expected
+
+
+def test_rank_seed_and_launcher_env(monkeypatch):
+    assert runtime.rank_seed(42, 0) == 42
+    assert len({runtime.rank_seed(42, r) for r in range(64)}) == 64
+    monkeypatch.delenv("HOROVOD_RANK", raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "3")
+    assert runtime.launcher_rank() == 3
+    with pytest.raises(ValueError, match="local_size must be >= 1"):
+        runtime.thread_budget(0)
