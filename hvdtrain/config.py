@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hvdtrain.schedule import LR_SCALING_RULES
@@ -60,7 +60,6 @@ class TrainConfig:
     test_fraction: float = 0.2
     synthetic_samples: int = 2048
     progress: bool = True
-    extra: dict = field(default_factory=dict)
 
     def global_batch(self, size: int) -> int:
         """Samples per optimizer step across all ranks: ``batch_size x k x size``."""

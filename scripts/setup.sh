@@ -21,6 +21,9 @@ HOROVOD_VERSION=0.28.1
 PATCH_ID=cxx17-v1
 
 log() { printf '[setup] %s\n' "$*"; }
+# Run a command with pip's "Location ... is ignored" notes (index folders this machine's pip
+# config names but lacks) dropped from stderr; the command's exit status is kept.
+quiet() { "$@" 2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2); }
 
 # ---- 1. system packages -------------------------------------------------------------------
 apt_pkgs=()
@@ -44,7 +47,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 PY=$VENV/bin/python
-PIP=("$PY" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS")
+PIP=(quiet "$PY" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS")
 stamp=$VENV/.hvdtrain-deps-$(sha256sum "$CONSTRAINTS" | cut -c1-12)
 if [ ! -f "$stamp" ]; then
   log "installing the pinned stack into $VENV (first time: a few minutes)"
@@ -71,12 +74,13 @@ assert ht.mpi_built() and ht.gloo_built()
 PY
 }
 
-if ! have_horovod; then
+horovod_stamp=$VENV/.hvdtrain-$key
+if [ ! -f "$horovod_stamp" ] && ! have_horovod; then
   if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
     log "building Horovod $HOROVOD_VERSION (about 6 minutes on 2 cores); cache: $wheel_dir"
     work=$(mktemp -d)
     trap 'rm -rf "$work"' EXIT
-    "$PY" -m pip download -q --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$work"
+    quiet "$PY" -m pip download -q --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$work"
     tar -xzf "$work"/horovod-"$HOROVOD_VERSION".tar.gz -C "$work"
     src=$work/horovod-$HOROVOD_VERSION
     # PyTorch >= 2.1 headers need C++17; Horovod 0.28.1 asks for C++14 in two places.
@@ -89,15 +93,21 @@ if ! have_horovod; then
     PATH=/usr/bin:$PATH CMAKE_POLICY_VERSION_MINIMUM=3.5 \
     HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
     HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 HOROVOD_CPU_OPERATIONS=MPI MAKEFLAGS=-j2 \
-      "$PY" -m pip wheel -q --no-deps --no-build-isolation --no-cache-dir -w "$wheel_dir.tmp" "$src"
+      quiet "$PY" -m pip wheel -q --no-deps --no-build-isolation --no-cache-dir -w "$wheel_dir.tmp" "$src"
     rm -rf "$wheel_dir" && mv "$wheel_dir.tmp" "$wheel_dir"
   else
     log "reusing cached Horovod wheel $wheel_dir"
   fi
-  "$PY" -m pip install -q --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
+  quiet "$PY" -m pip install -q --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
   have_horovod || { echo "setup: Horovod installed but lacks PyTorch/TensorFlow/MPI/Gloo support" >&2; exit 1; }
+  log "$(TF_CPP_MIN_LOG_LEVEL=3 "$VENV/bin/horovodrun" --check-build 2>/dev/null | tr -s '\n ' '  ')"
 fi
+touch "$horovod_stamp"
 
 # ---- 4. hvdtrain itself ------------------------------------------------------------------------
-"$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"
-log "done: $("$VENV/bin/horovodrun" --check-build | tr -s '\n' ' ' | cut -c1-200)"
+editable_stamp=$VENV/.hvdtrain-editable-$(cat "$ROOT/setup.py" | sha256sum | cut -c1-12)
+if [ ! -f "$editable_stamp" ] || [ ! -x "$VENV/bin/hvdtrain" ]; then
+  quiet "$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null
+  touch "$editable_stamp"
+fi
+log "ready: $VENV (Horovod $HOROVOD_VERSION, torch $torch_v, tensorflow-cpu $tf_v)"

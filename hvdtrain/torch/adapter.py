@@ -104,7 +104,8 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
        (averaged over ranks) once every k backward passes, at ``optimizer.step()``. Scale each
        micro-batch loss by :class:`MicroBatch` ``.loss_scale`` (see :func:`micro_batches`) so that
        a step is the mean over the global batch of ``local batch x k x size`` samples.
-    3. Broadcasts parameters, buffers and optimizer state from ``root_rank``
+    3. Keeps the optimizer's existing state (Horovod's wrapper alone would drop it), then
+       broadcasts parameters, buffers and optimizer state from ``root_rank``
        (:func:`broadcast_state`).
 
     Args:
@@ -145,10 +146,15 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         group["lr"] = group["lr"] * factor
         group["hvdtrain_lr_scale"] = factor
     named = [(n, p) for n, p in model.named_parameters() if id(p) in opt_params]
-    optimizer = hvd.DistributedOptimizer(
+    state = optimizer.state_dict()
+    wrapped = hvd.DistributedOptimizer(
         optimizer, named_parameters=named, compression=_COMPRESSIONS[compression],
         backward_passes_per_step=backward_passes_per_step, op=_OPS[op],
         gradient_predivide_factor=gradient_predivide_factor)
+    # Horovod builds a new optimizer from the param groups and drops the per-parameter state
+    # (momentum buffers, Adam moments, step counts), e.g. one just loaded from a checkpoint.
+    wrapped.load_state_dict(state)
+    optimizer = wrapped
     broadcast_state(model, optimizer, root_rank)
     return model, optimizer
 

@@ -68,7 +68,8 @@ def fit(cfg: TrainConfig) -> dict:
     """
     info = adapter.init(cfg.seed)
     setup_logging(info.rank)
-    split = data.load(cfg.dataset, test_fraction=cfg.test_fraction, seed=cfg.seed,
+    # The split does not depend on --seed: every run holds out the same samples.
+    split = data.load(cfg.dataset, test_fraction=cfg.test_fraction,
                       synthetic_samples=cfg.synthetic_samples)
     train_set = TensorDataset(torch.from_numpy(split.x_train), torch.from_numpy(split.y_train))
     sampler = DistributedSampler(train_set, num_replicas=info.size, rank=info.rank, shuffle=True,
@@ -96,9 +97,10 @@ def fit(cfg: TrainConfig) -> dict:
         "threads_per_rank": info.threads, "config": cfg.to_dict(),
         "versions": {"torch": torch.__version__, "horovod": horovod.__version__}},
         is_root=info.is_root)
-    log.info("%d ranks x local batch %d x k=%d = global batch %d; lr %g -> %g (%s); "
-             "%d threads per rank", info.size, cfg.batch_size, k, cfg.global_batch(info.size),
-             cfg.lr, optimizer.param_groups[0]["lr"], cfg.lr_scaling, info.threads)
+    log.info("%d ranks x local batch %d x k=%d = global batch %d; lr %g -> %g (%s, warmup %g "
+             "epochs); %d threads per rank", info.size, cfg.batch_size, k, cfg.global_batch(info.size),
+             cfg.lr, schedule.scaled_lr(cfg.lr, cfg.lr_scaling, info.size, k), cfg.lr_scaling,
+             cfg.warmup_epochs, info.threads)
 
     for epoch in range(cfg.epochs):
         sampler.set_epoch(epoch)

@@ -1,3 +1,8 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from hvdtrain.doctor import parse_check_build, problems
@@ -45,3 +50,30 @@ def test_build_without_controllers():
 def test_not_check_build_output():
     with pytest.raises(ValueError, match="not the output of 'horovodrun --check-build'"):
         parse_check_build("command not found")
+
+
+def _doctor(env_path):
+    exe = Path(sys.executable).parent / "hvdtrain"
+    env = dict(os.environ, PATH=env_path)
+    return subprocess.run([str(exe), "doctor"], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def test_doctor_on_this_machine_reports_a_usable_build():
+    proc = _doctor(f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    assert proc.returncode == 0, proc.stderr
+    assert "Horovod:            0.28.1" in proc.stdout
+    assert "TensorFlow, PyTorch" in proc.stdout and "MPI, Gloo" in proc.stdout
+    assert "Open MPI" in proc.stdout and "status:             ok" in proc.stdout
+
+
+def test_doctor_fails_on_a_build_without_pytorch(tmp_path):
+    # A horovodrun on PATH whose --check-build reports no PyTorch support.
+    fake = tmp_path / "horovodrun"
+    fake.write_text("#!/bin/sh\ncat <<'OUT'\n" + FULL.replace("[X] PyTorch", "[ ] PyTorch")
+                    + "OUT\n")
+    fake.chmod(0o755)
+    proc = _doctor(f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert proc.returncode == 1
+    assert "Horovod was built without PyTorch support" in proc.stderr
+    assert "status:             NOT usable" in proc.stdout

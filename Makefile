@@ -1,0 +1,35 @@
+# hvdtrain: `make demo` runs the main job, `make test` runs every test. Both set everything up
+# first (scripts/setup.sh is idempotent: the second run takes seconds).
+SHELL := /bin/bash
+VENV := $(CURDIR)/.venv
+PY := $(VENV)/bin/python
+NP ?= 2
+export PATH := $(VENV)/bin:$(PATH)
+# Ranks >= cores on small machines: idle MPI ranks yield instead of busy-polling (DESIGN.md).
+export OMPI_MCA_mpi_yield_when_idle ?= 1
+export TF_CPP_MIN_LOG_LEVEL ?= 2
+
+.PHONY: setup demo test unit parallel doctor clean
+
+setup:
+	bash scripts/setup.sh
+
+demo: setup
+	horovodrun -np $(NP) -H localhost:$(NP) hvdtrain train --framework torch --dataset digits \
+		--output-dir runs/demo-torch
+	@echo "metrics: runs/demo-torch/metrics.json  checkpoint: runs/demo-torch/checkpoint.pt"
+
+test: setup
+	$(PY) -m pytest tests
+
+unit: setup
+	$(PY) -m pytest tests/unit
+
+parallel: setup
+	$(PY) -m pytest tests/parallel
+
+doctor: setup
+	hvdtrain doctor
+
+clean:
+	rm -rf runs .pytest_cache build *.egg-info
