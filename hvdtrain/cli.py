@@ -62,7 +62,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if cfg.framework == "torch":
         from hvdtrain.torch.trainer import fit
     else:
-        return _fail("--framework keras is not available yet in this version; use torch")
+        from hvdtrain.keras.trainer import fit
     fit(cfg)
     return 0
 

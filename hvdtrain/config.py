@@ -97,6 +97,9 @@ class TrainConfig:
             raise ConfigError(f"--warmup-epochs must be >= 0; got {self.warmup_epochs!r}")
         if not 0 < self.test_fraction < 1:
             raise ConfigError(f"--test-fraction must be in (0, 1); got {self.test_fraction!r}")
+        if self.op == "adasum" and self.framework == "keras":
+            raise ConfigError("--op adasum is not available with --framework keras (Horovod's "
+                              "Keras optimizer supports average only); use --op average")
         if self.op == "adasum" and self.lr_scaling == "linear":
             raise ConfigError("--op adasum adapts the step size itself; use --lr-scaling none "
                               "(or sqrt) with it, not linear")

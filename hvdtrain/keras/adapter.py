@@ -1,0 +1,274 @@
+"""The Keras adapter: Horovod's DistributedOptimizer, rank-0 broadcast, LR scaling, accumulation,
+for tf.keras (Keras 2, TensorFlow 2.15). Same concepts and names as :mod:`hvdtrain.torch`.
+
+Typical use (launched with ``horovodrun -np 2 python train.py``)::
+
+    import hvdtrain.keras as hk
+
+    info = hk.init(seed=42)
+    dataset = hk.shard_dataset(x, y, batch_size=16, seed=42)   # shard by rank, reshuffle per epoch
+    model = make_model(); model.build((None, 8, 8, 1))
+    optimizer = tf.keras.optimizers.SGD(0.01, momentum=0.9)
+    model, optimizer = hk.distribute(model, optimizer, backward_passes_per_step=4,
+                                     lr_scaling="linear")
+    model.compile(optimizer=optimizer, loss=..., metrics=["accuracy"])
+    model.fit(dataset, epochs=10, steps_per_epoch=optimizer_steps * 4,
+              callbacks=hk.callbacks(optimizer, warmup_epochs=2, steps_per_epoch=optimizer_steps),
+              verbose=1 if info.is_root else 0)
+"""
+from __future__ import annotations
+
+import horovod.tensorflow as hvd_tf
+import horovod.tensorflow.keras as hvd
+import numpy as np
+import tensorflow as tf
+
+from hvdtrain import runtime, schedule
+
+_COMPRESSIONS = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
+_OPS = {"average": hvd.Average}
+
+
+def init(seed: int = 42, threads: int | None = None) -> runtime.RankInfo:
+    """Start Horovod, give this rank its share of the cores, and seed it.
+
+    Calls ``hvd.init()``; sets TensorFlow's intra-op threads to ``threads`` or
+    ``max(1, cores // local_size)`` and inter-op threads to 1; seeds TensorFlow, NumPy and
+    ``random`` (``tf.keras.utils.set_random_seed``) with ``runtime.rank_seed(seed, rank)`` (rank 0
+    gets ``seed``; :func:`distribute` makes all models equal to rank 0's).
+
+    Returns:
+        The :class:`~hvdtrain.runtime.RankInfo` of this process.
+    """
+    hvd.init()
+    threads = runtime.thread_budget(hvd.local_size()) if threads is None else int(threads)
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+    except RuntimeError:  # TensorFlow's runtime already started: threads can no longer change
+        threads = tf.config.threading.get_intra_op_parallelism_threads() or threads
+    seed = runtime.rank_seed(seed, hvd.rank())
+    tf.keras.utils.set_random_seed(seed)
+    return runtime.RankInfo(hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size(), threads,
+                            seed)
+
+
+def rank_info() -> runtime.RankInfo:
+    """This process's rank, sizes and thread count (after :func:`init`)."""
+    return runtime.RankInfo(hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size(),
+                            tf.config.threading.get_intra_op_parallelism_threads(), -1)
+
+
+def allreduce_sums(values: dict[str, float], name: str = "hvdtrain.metrics") -> dict[str, float]:
+    """Sum scalar values over all ranks, in float64, in one all-reduce.
+
+    Every rank must pass the same keys (sorted before the all-reduce).
+
+    Returns:
+        ``{key: global sum}``.
+    """
+    keys = sorted(values)
+    tensor = tf.constant([float(values[k]) for k in keys], dtype=tf.float64)
+    summed = hvd_tf.allreduce(tensor, op=hvd.Sum, name=name)
+    return dict(zip(keys, summed.numpy().tolist()))
+
+
+def _require_built(model: tf.keras.Model) -> None:
+    if not model.built:
+        raise ValueError("the model has no weights yet: build it first, e.g. "
+                         "model.build((None, 8, 8, 1)) or call it on one batch, then distribute")
+
+
+def broadcast_state(model: tf.keras.Model, optimizer: tf.keras.optimizers.Optimizer,
+                    root_rank: int = 0) -> None:
+    """Make every rank's model weights (trainable and not) and optimizer variables (iterations,
+    learning rate, momentum/moment slots) equal to ``root_rank``'s, before the first step.
+
+    The optimizer is built on the model's trainable variables first, so its slots exist; then all
+    variables go through ``horovod.tensorflow.broadcast_variables``. (Horovod's
+    ``BroadcastGlobalVariablesCallback`` does this after the first batch instead, so the first step
+    is taken from unequal weights and differs from single-process training.)
+
+    Raises:
+        ValueError: the model is not built yet.
+    """
+    _require_built(model)
+    optimizer.build(model.trainable_variables)
+    hvd_tf.broadcast_variables(list(model.variables) + list(optimizer.variables), root_rank)
+
+
+def distribute(model: tf.keras.Model, optimizer: tf.keras.optimizers.Optimizer, *,
+               backward_passes_per_step: int = 1, lr_scaling: str = "linear",
+               compression: str = "none", op: str = "average", root_rank: int = 0,
+               gradient_predivide_factor: float = 1.0):
+    """Turn a single-process Keras model and optimizer into synchronous data-parallel ones.
+
+    1. Multiplies the optimizer's learning rate by ``schedule.scale_factor(lr_scaling, size, k)``
+       (Goyal et al. 2017 for ``linear``); the factor is kept as ``optimizer.hvdtrain_lr_scale``.
+    2. Wraps the optimizer in ``hvd.DistributedOptimizer`` with ``backward_passes_per_step=k``,
+       ``average_aggregated_gradients=True`` (the k summed micro-batch gradients are divided by
+       k, so a step is the mean over the global batch), ``compression`` and ``op``. Keras's
+       ``optimizer.iterations`` then counts micro-batches; optimizer steps are
+       ``iterations // k``. Gradients of a group that is not complete when ``fit`` ends are not
+       applied: give ``fit`` a ``steps_per_epoch`` that is a multiple of k over a repeated
+       dataset (:func:`shard_dataset` repeats; :func:`micro_batches_per_epoch` rounds).
+    3. Keeps the optimizer's existing variables (Horovod's wrapper alone rebuilds the optimizer
+       from its config and drops them), then broadcasts model and optimizer variables from
+       ``root_rank`` (:func:`broadcast_state`).
+
+    Compile the model with the returned optimizer: ``model.compile(optimizer=optimizer, ...)``.
+
+    Args:
+        model: a built ``tf.keras.Model``.
+        optimizer: a Keras (2.11+) optimizer with a float learning rate (the single-process rate).
+        backward_passes_per_step: k >= 1 micro-batches per optimizer step.
+        lr_scaling: ``"linear"``, ``"sqrt"`` or ``"none"``.
+        compression: ``"none"`` or ``"fp16"``.
+        op: ``"average"`` (Horovod's Keras optimizer has no Adasum).
+        root_rank: rank whose initial state every rank takes.
+        gradient_predivide_factor: passed to Horovod.
+
+    Returns:
+        ``(model, optimizer)``: the same model (now equal on all ranks) and the wrapped optimizer,
+        which has ``.backward_passes_per_step`` and ``.hvdtrain_lr_scale``.
+
+    Raises:
+        ValueError: unknown ``lr_scaling``/``compression``/``op``, k < 1, an unbuilt model, or a
+            learning-rate schedule object as the optimizer's rate (use a float and
+            :func:`warmup`).
+    """
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise ValueError("backward_passes_per_step must be a whole number >= 1, got "
+                         f"{backward_passes_per_step!r}")
+    if compression not in _COMPRESSIONS:
+        raise ValueError(f"compression must be one of {', '.join(_COMPRESSIONS)}; got {compression!r}")
+    if op not in _OPS:
+        raise ValueError(f"op must be 'average' for Keras (Horovod's Keras optimizer supports no "
+                         f"other); got {op!r}")
+    _require_built(model)
+    if isinstance(optimizer._learning_rate, tf.keras.optimizers.schedules.LearningRateSchedule):
+        raise ValueError("the optimizer's learning_rate is a schedule object; give it a float and "
+                         "use hvdtrain.keras.warmup() for the warmup")
+    factor = schedule.scale_factor(lr_scaling, hvd.size(), backward_passes_per_step)
+    built = getattr(optimizer, "_built", False)
+    old_values = [v.numpy() for v in optimizer.variables] if built else None
+    base_lr = float(optimizer.learning_rate.numpy())
+
+    wrapped = hvd.DistributedOptimizer(
+        optimizer, compression=_COMPRESSIONS[compression], op=_OPS[op],
+        backward_passes_per_step=backward_passes_per_step, average_aggregated_gradients=True,
+        gradient_predivide_factor=gradient_predivide_factor)
+    wrapped.build(model.trainable_variables)
+    if old_values is not None:
+        if len(old_values) != len(wrapped.variables):
+            raise ValueError("the optimizer was built for other variables than the model's "
+                             "trainable variables; build it from model.trainable_variables")
+        for var, value in zip(wrapped.variables, old_values):
+            var.assign(value)
+    wrapped.learning_rate = base_lr * factor
+    wrapped.hvdtrain_lr_scale = factor
+    wrapped.backward_passes_per_step = backward_passes_per_step
+    broadcast_state(model, wrapped, root_rank)
+    return model, wrapped
+
+
+class WarmupCallback(tf.keras.callbacks.Callback):
+    """Sets the optimizer's learning rate before every batch to
+    ``scaled_lr x schedule.warmup_multiplier(step, factor, warmup_epochs, steps_per_epoch)``:
+    linear from the base lr to the scaled lr over ``warmup_epochs`` (Goyal et al. 2017, gradual
+    warmup), then constant. ``step = optimizer.iterations // backward_passes_per_step`` is the
+    optimizer step the batch belongs to, so a resumed run continues the schedule.
+
+    Unlike ``hvd.callbacks.LearningRateWarmupCallback`` it does not crash on Keras >= 2.11
+    optimizers (that one's default ``momentum_correction=True`` raises ``AttributeError: 'float'
+    object has no attribute 'dtype'``).
+    """
+
+    def __init__(self, optimizer, warmup_epochs: float, steps_per_epoch: int):
+        super().__init__()
+        if not hasattr(optimizer, "hvdtrain_lr_scale"):
+            raise ValueError("warmup() needs the optimizer returned by hvdtrain.keras.distribute()")
+        self._optimizer = optimizer
+        self.factor = float(optimizer.hvdtrain_lr_scale)
+        self.k = int(optimizer.backward_passes_per_step)
+        self.scaled_lr = float(optimizer.learning_rate.numpy())
+        self.warmup_epochs, self.steps_per_epoch = warmup_epochs, steps_per_epoch
+        self._apply(0)
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate for optimizer step ``step``."""
+        return self.scaled_lr * schedule.warmup_multiplier(step, self.factor, self.warmup_epochs,
+                                                           self.steps_per_epoch)
+
+    def _apply(self, step: int) -> None:
+        self._optimizer.learning_rate.assign(self.lr_at(step))
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._apply(int(self._optimizer.iterations.numpy()) // self.k)
+
+
+def warmup(optimizer, *, warmup_epochs: float, steps_per_epoch: int) -> WarmupCallback:
+    """A Keras callback that follows :func:`hvdtrain.schedule.lr_at`: from the base lr to the
+    scaled lr over ``warmup_epochs``, then constant (see :class:`WarmupCallback`).
+
+    Args:
+        optimizer: the optimizer returned by :func:`distribute`.
+        warmup_epochs: epochs of warmup, >= 0 (0: no warmup).
+        steps_per_epoch: optimizer steps per epoch (micro-batches per epoch // k).
+
+    Raises:
+        ValueError: the optimizer did not come from :func:`distribute`.
+    """
+    return WarmupCallback(optimizer, warmup_epochs, steps_per_epoch)
+
+
+def micro_batches_per_epoch(samples: int, batch_size: int, size: int,
+                            backward_passes_per_step: int) -> int:
+    """Micro-batches one rank runs per Keras epoch: its shard's batches rounded down to a
+    multiple of k, so every epoch ends on a complete accumulation group (at least one group).
+
+    Args:
+        samples: training samples in the whole dataset.
+        batch_size: local batch.
+        size: world size.
+        backward_passes_per_step: k.
+
+    Raises:
+        ValueError: a rank's shard holds fewer than ``batch_size x k`` samples.
+    """
+    per_rank = samples // size
+    groups = per_rank // (batch_size * backward_passes_per_step)
+    if groups < 1:
+        raise ValueError(f"{samples} samples over {size} ranks leave {per_rank} per rank, fewer "
+                         f"than one optimizer step needs (batch {batch_size} x k "
+                         f"{backward_passes_per_step}); lower --batch-size or "
+                         "--backward-passes-per-step")
+    return -(-per_rank // batch_size) // backward_passes_per_step * backward_passes_per_step
+
+
+def shard_dataset(x: np.ndarray, y: np.ndarray, *, batch_size: int, seed: int = 0,
+                  shuffle: bool = True, info: runtime.RankInfo | None = None) -> tf.data.Dataset:
+    """A ``tf.data`` pipeline for this rank: ``shard(size, rank)`` first (each rank its own
+    samples), then a shuffle that changes on every pass (same seed on every rank), repeated
+    forever, in full batches of ``batch_size`` (give ``fit`` a ``steps_per_epoch``, e.g.
+    :func:`micro_batches_per_epoch`).
+
+    Args:
+        x: inputs ``(N, ...)``; y: labels ``(N,)``.
+        batch_size: local batch.
+        seed: shuffle seed.
+        shuffle: reshuffle every epoch.
+        info: rank and size; defaults to Horovod's.
+    """
+    rank, size = (info.rank, info.size) if info else (hvd.rank(), hvd.size())
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).shard(size, rank)
+    if shuffle:
+        ds = ds.shuffle(len(x) // size + 1, seed=seed, reshuffle_each_iteration=True)
+    return ds.repeat().batch(batch_size).prefetch(tf.data.AUTOTUNE)
+
+
+def callbacks(optimizer, *, warmup_epochs: float = 0.0, steps_per_epoch: int = 1) -> list:
+    """The callbacks a data-parallel ``fit`` needs, in order: ``MetricAverageCallback`` (epoch
+    logs and History hold averages over all ranks) and the warmup (:func:`warmup`)."""
+    return [hvd.callbacks.MetricAverageCallback(),
+            warmup(optimizer, warmup_epochs=warmup_epochs, steps_per_epoch=steps_per_epoch)]
