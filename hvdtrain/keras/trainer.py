@@ -28,7 +28,8 @@ log = logging.getLogger("hvdtrain")
 
 def save_checkpoint(path: str | Path, model: tf.keras.Model) -> None:
     """Write the model's weights (HDF5) atomically: temp file, fsync, rename. Rank 0 only."""
-    with atomic_path(path, suffix=".h5") as tmp:
+    # The temporary name keeps the ".weights.h5" ending: Keras picks the file format from it.
+    with atomic_path(path, suffix=".weights.h5") as tmp:
         model.save_weights(str(tmp))
 
 

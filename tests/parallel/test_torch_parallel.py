@@ -56,6 +56,9 @@ def test_k4_runs_a_quarter_of_the_allreduces_of_k1(tmp_path):
     assert c["k1"]["micro_batches"] == c["k4"]["micro_batches"] == 32
     assert c["k1"]["allreduces"] == c["k1"]["parameters"] * 32
     assert c["k4"]["allreduces"] * 4 == c["k1"]["allreduces"]
+    # Horovod's own timeline saw exactly those executions.
+    assert c["k1"]["timeline_allreduces"] == c["k1"]["allreduces"]
+    assert c["k4"]["timeline_allreduces"] == c["k4"]["allreduces"]
     assert c["k4"]["optimizer_steps"] == 8
 
 

@@ -1,8 +1,7 @@
-"""Counts the all-reduce operations Horovod's DistributedOptimizer submits in one epoch, for
-backward_passes_per_step k=1 and k=4.
-
-Every gradient all-reduce goes through ``horovod.torch.optimizer.allreduce_async_``; this script
-wraps that function with a counter (the real call still runs) before wrapping the optimizer.
+"""Counts the all-reduce operations of one epoch, for backward_passes_per_step k=1 and k=4, two
+ways: Horovod's own timeline (``hvd.start_timeline`` around the epoch; every executed ALLREDUCE
+of a gradient tensor), and calls into ``horovod.torch.optimizer.allreduce_async_`` (wrapped with a
+counter; the real call still runs).
 
 Launch::
 
@@ -10,11 +9,14 @@ Launch::
 """
 import argparse
 import json
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+import horovod.torch as hvd
 import horovod.torch.optimizer as hvd_optimizer
 import hvdtrain.torch as ht
 from hvdtrain.torch.models import DigitsCNN
@@ -28,7 +30,11 @@ def counting_allreduce_async_(*args, **kwargs):
     return _real(*args, **kwargs)
 
 
-def one_epoch(k: int, info, samples: int, batch_size: int) -> dict:
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timeline import count_ops, load_events  # noqa: E402
+
+
+def one_epoch(k: int, info, samples: int, batch_size: int, timeline: str) -> dict:
     model = DigitsCNN()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     model, optimizer = ht.distribute(model, optimizer, backward_passes_per_step=k)
@@ -37,6 +43,7 @@ def one_epoch(k: int, info, samples: int, batch_size: int) -> dict:
     loader = DataLoader(data, batch_size=batch_size, sampler=sampler)
     calls["n"] = 0
     steps = micro = 0
+    hvd.start_timeline(timeline, mark_cycles=False)
     for (x, y), mb in ht.micro_batches(loader, k):
         (F.cross_entropy(model(x), y) * mb.loss_scale).backward()
         micro += 1
@@ -44,7 +51,10 @@ def one_epoch(k: int, info, samples: int, batch_size: int) -> dict:
             optimizer.step()
             optimizer.zero_grad()
             steps += 1
-    return {"allreduces": calls["n"], "optimizer_steps": steps, "micro_batches": micro,
+    hvd.stop_timeline()
+    timeline_count = count_ops(load_events(timeline)) if info.rank == 0 else None
+    return {"allreduces": calls["n"], "timeline_allreduces": timeline_count,
+            "optimizer_steps": steps, "micro_batches": micro,
             "parameters": len(list(model.parameters()))}
 
 
@@ -55,8 +65,10 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     args = p.parse_args()
     hvd_optimizer.allreduce_async_ = counting_allreduce_async_
+    os.environ["HOROVOD_TIMELINE"] = "DYNAMIC"  # allow start_timeline/stop_timeline
     info = ht.init(seed=0)
-    result = {f"k{k}": one_epoch(k, info, args.samples, args.batch_size) for k in (1, 4)}
+    result = {f"k{k}": one_epoch(k, info, args.samples, args.batch_size, f"{args.out}.k{k}.timeline")
+              for k in (1, 4)}
     if info.rank == 0:
         with open(args.out, "w") as f:
             json.dump(result, f)

@@ -1,0 +1,92 @@
+"""Data-parallel Keras training with hvdtrain.keras equals single-process training on the global
+batch.
+
+Launch (parallel; each rank builds its model from a different seed, rank 0's is broadcast)::
+
+    horovodrun -np 2 python tests/parallel/keras_equivalence.py --out par.npz
+
+Reference (one process, batch = local batch x k x size, lr x size x k, same samples per step)::
+
+    python tests/parallel/keras_equivalence.py --reference --world-size 2 --out ref.npz
+"""
+import argparse
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from hvdtrain.keras.models import build_model  # noqa: E402
+
+SEED, BASE_LR, MOMENTUM = 7, 0.05, 0.9
+LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def dataset(n: int):
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((n, 8, 8, 1)).astype(np.float32),
+            rng.integers(0, 10, n).astype(np.int64))
+
+
+def flat(model) -> np.ndarray:
+    return np.concatenate([w.reshape(-1) for w in model.get_weights()])
+
+
+class CountSteps(tf.keras.callbacks.Callback):
+    def on_train_end(self, logs=None):
+        self.micro_batches = int(self.model.optimizer.iterations.numpy())
+
+
+def parallel(args) -> None:
+    import horovod.tensorflow as hvd_tf
+
+    import hvdtrain.keras as hk
+
+    info = hk.init(seed=SEED, threads=1)
+    model = build_model()
+    optimizer = tf.keras.optimizers.SGD(BASE_LR, momentum=MOMENTUM)
+    model, optimizer = hk.distribute(model, optimizer, backward_passes_per_step=args.k,
+                                     lr_scaling="linear")
+    model.compile(optimizer=optimizer, loss=LOSS)
+    x, y = dataset(args.samples)
+    micro = hk.micro_batches_per_epoch(len(x), args.batch_size, info.size, args.k)
+    data = hk.shard_dataset(x, y, batch_size=args.batch_size, shuffle=False, info=info)
+    counter = CountSteps()
+    model.fit(data, epochs=args.epochs, steps_per_epoch=micro, verbose=0,
+              callbacks=[counter])
+    weights = hvd_tf.allgather_object(flat(model))
+    if info.rank == 0:
+        spread = max(float(np.abs(w - weights[0]).max()) for w in weights)
+        np.savez(args.out, weights=weights[0], steps=counter.micro_batches // args.k,
+                 rank_spread=spread, size=info.size)
+
+
+def reference(args) -> None:
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.keras.utils.set_random_seed(SEED)
+    model = build_model()
+    n = args.world_size * args.k
+    model.compile(optimizer=tf.keras.optimizers.SGD(BASE_LR * n, momentum=MOMENTUM), loss=LOSS)
+    x, y = dataset(args.samples)
+    counter = CountSteps()
+    model.fit(x, y, batch_size=args.batch_size * n, epochs=args.epochs, shuffle=False, verbose=0,
+              callbacks=[counter])
+    np.savez(args.out, weights=flat(model), steps=counter.micro_batches, rank_spread=0.0, size=1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--samples", type=int, default=384)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("-k", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--reference", action="store_true")
+    p.add_argument("--world-size", type=int, default=2)
+    args = p.parse_args()
+    (reference if args.reference else parallel)(args)
+
+
+if __name__ == "__main__":
+    main()

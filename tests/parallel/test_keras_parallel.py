@@ -1,0 +1,96 @@
+"""Real `horovodrun -np 2` / `mpirun -np 2` runs of the Keras adapter and `hvdtrain train`."""
+import json
+
+import numpy as np
+import pytest
+
+from hvdtrain import schedule
+from jobs import horovodrun, mpirun, run, script
+
+
+def test_np2_k2_equals_single_process_global_batch(tmp_path):
+    par, ref = tmp_path / "par.npz", tmp_path / "ref.npz"
+    args = ["--samples", "384", "--batch-size", "8", "-k", "2", "--epochs", "2"]
+    run(horovodrun(2, *script("keras_equivalence.py"), "--out", str(par), *args))
+    run(script("keras_equivalence.py") + ["--reference", "--world-size", "2", "--out", str(ref),
+                                          *args])
+    par, ref = np.load(par), np.load(ref)
+    assert int(par["size"]) == 2
+    assert int(par["steps"]) == int(ref["steps"]) == 24
+    assert float(par["rank_spread"]) == 0.0
+    diff = float(np.abs(par["weights"] - ref["weights"]).max())
+    assert diff <= 1e-5, f"max |w_parallel - w_reference| = {diff}"
+
+
+def test_broadcast_before_the_first_step(tmp_path):
+    out = tmp_path / "b.json"
+    run(horovodrun(2, *script("keras_broadcast.py"), "--out", str(out)))
+    r = json.loads(out.read_text())
+    assert r["size"] == 2
+    assert any("moving_mean" in k for k in r["keys"]) and any("iteration" in k for k in r["keys"])
+    assert r["spread_before"] > 1e-3  # ranks really started apart
+    assert r["spread_after"] == 0.0  # weights, BatchNorm statistics, Adam slots and step count
+    assert r["root_changed"] == 0.0
+    assert r["spread_after_first_batch"] == 0.0
+
+
+def test_warmup_lr_read_from_the_optimizer_follows_schedule(tmp_path):
+    out = tmp_path / "lr.json"
+    run(horovodrun(2, *script("keras_warmup.py"), "--out", str(out)))
+    r = json.loads(out.read_text())
+    k, size = r["k"], r["size"]
+    for name in ("sgd_momentum", "adam"):
+        rows, spe = r[name]["rows"], r[name]["steps_per_epoch"]
+        assert len(rows) == r[name]["final_iterations"] == 3 * spe * k  # one row per micro-batch
+        for iterations, lr in rows:
+            expected = schedule.lr_at(iterations // k, base_lr=r["base_lr"][name], rule="linear",
+                                      size=size, backward_passes_per_step=k,
+                                      warmup_epochs=r["warmup_epochs"], steps_per_epoch=spe)
+            assert lr == pytest.approx(expected, rel=1e-6), (name, iterations)
+        lrs = [lr for _, lr in rows]
+        assert lrs[0] == pytest.approx(r["base_lr"][name], rel=1e-6)
+        assert lrs[-1] == pytest.approx(r["base_lr"][name] * size * k, rel=1e-6)
+
+
+def test_k4_runs_a_quarter_of_the_allreduces_of_k1(tmp_path):
+    out = tmp_path / "c.json"
+    run(horovodrun(2, *script("keras_allreduce_count.py"), "--out", str(out)))
+    c = json.loads(out.read_text())
+    assert c["k1"]["micro_batches"] == c["k4"]["micro_batches"] == 32
+    assert c["k1"]["timeline_allreduces"] == c["k1"]["parameters"] * 32
+    assert c["k4"]["timeline_allreduces"] * 4 == c["k1"]["timeline_allreduces"]
+
+
+def check_keras_job(out_dir, size=2):
+    m = json.loads((out_dir / "metrics.json").read_text())
+    assert m["framework"] == "keras" and m["size"] == size
+    assert m["global_batch"] == m["local_batch"] * size * m["backward_passes_per_step"]
+    assert len(m["epochs"]) == m["config"]["epochs"]
+    assert m["final_test_accuracy"] >= 0.95, m["epochs"][-1]
+    assert (out_dir / "checkpoint.weights.h5").stat().st_size > 0
+    # Rebuild the model from the checkpoint and score the held-out split single-process.
+    import tensorflow as tf
+
+    from hvdtrain import data
+    from hvdtrain.keras.models import build_model
+    split = data.load_digits()
+    model = build_model()
+    model.load_weights(str(out_dir / "checkpoint.weights.h5"))
+    logits = model(split.x_test.transpose(0, 2, 3, 1), training=False)
+    acc = float((tf.argmax(logits, axis=1).numpy() == split.y_test).mean())
+    assert acc == pytest.approx(m["final_test_accuracy"])
+    return m
+
+
+def test_keras_main_job_under_horovodrun_reaches_95_percent(tmp_path):
+    run(horovodrun(2, "hvdtrain", "train", "--framework", "keras", "--dataset", "digits",
+                   "--output-dir", str(tmp_path), "--no-progress"))
+    check_keras_job(tmp_path)
+
+
+def test_keras_main_job_under_mpirun_with_accumulation(tmp_path):
+    run(mpirun(2, "hvdtrain", "train", "--framework", "keras", "--dataset", "digits",
+               "--batch-size", "8", "-k", "2", "--output-dir", str(tmp_path), "--no-progress"))
+    m = check_keras_job(tmp_path)
+    # 1437 samples -> 718 per rank -> 90 batches of 8 -> 45 optimizer steps per epoch.
+    assert all(e["optimizer_steps"] == 45 for e in m["epochs"])

@@ -1,0 +1,30 @@
+"""hvdtrain.torch and hvdtrain.keras offer the same concepts under the same names."""
+import inspect
+
+import hvdtrain.keras as hk
+import hvdtrain.torch as ht
+
+# Names only one framework has, and why.
+TORCH_ONLY = {"micro_batches", "MicroBatch"}  # the user writes the PyTorch loop; Keras's fit
+# accumulates inside Horovod's optimizer.
+KERAS_ONLY = {"shard_dataset", "micro_batches_per_epoch", "callbacks", "WarmupCallback"}  # tf.data
+# and fit() plumbing; PyTorch uses DistributedSampler + DataLoader and a LambdaLR.
+SHARED = {"init", "rank_info", "distribute", "broadcast_state", "warmup", "allreduce_sums"}
+
+
+def test_public_names_are_symmetric():
+    assert set(ht.__all__) == SHARED | TORCH_ONLY
+    assert set(hk.__all__) == SHARED | KERAS_ONLY
+
+
+def test_shared_functions_take_the_same_parameters():
+    for name in SHARED:
+        torch_params = list(inspect.signature(getattr(ht, name)).parameters)
+        keras_params = list(inspect.signature(getattr(hk, name)).parameters)
+        assert torch_params == keras_params, name
+
+
+def test_shared_functions_are_documented():
+    for module in (ht, hk):
+        for name in module.__all__:
+            assert inspect.getdoc(getattr(module, name)), f"{module.__name__}.{name}"
