@@ -17,7 +17,9 @@ setup:
 demo: setup
 	horovodrun -np $(NP) -H localhost:$(NP) hvdtrain train --framework torch --dataset digits \
 		--output-dir runs/demo-torch
-	@echo "metrics: runs/demo-torch/metrics.json  checkpoint: runs/demo-torch/checkpoint.pt"
+	horovodrun -np $(NP) -H localhost:$(NP) hvdtrain train --framework keras --dataset digits \
+		--output-dir runs/demo-keras
+	hvdtrain report runs/demo-torch runs/demo-keras
 
 test: setup
 	$(PY) -m pytest tests

@@ -1,4 +1,4 @@
-"""The ``hvdtrain`` command: ``hvdtrain train ...`` and ``hvdtrain doctor``.
+"""The ``hvdtrain`` command: ``hvdtrain train ...``, ``hvdtrain doctor``, ``hvdtrain report``.
 
 Launch training the way Horovod users do::
 
@@ -82,6 +82,26 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 1 if issues else 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    """Print one line per run directory from its ``metrics.json`` (either framework)."""
+    import json
+    from pathlib import Path
+
+    from hvdtrain.report import METRICS_FILE
+    print(f"{'run':<28} {'framework':<9} {'size':>4} {'global batch':>12} {'epochs':>6} "
+          f"{'test acc':>8} {'samples/s':>10}")
+    for run_dir in args.run_dirs:
+        path = Path(run_dir) / METRICS_FILE
+        try:
+            m = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            return _fail(f"cannot read {path}: {exc}", 1)
+        print(f"{run_dir:<28} {m['framework']:<9} {m['size']:>4} {m['global_batch']:>12} "
+              f"{len(m['epochs']):>6} {m['final_test_accuracy']:>8.4f} "
+              f"{m['samples_per_sec']:>10.0f}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``hvdtrain`` argument parser with one sub-command per task."""
     parser = argparse.ArgumentParser(prog="hvdtrain", description=__doc__.splitlines()[0])
@@ -92,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
     doctor = sub.add_parser("doctor", help="show what Horovod supports on this machine")
     doctor.set_defaults(func=cmd_doctor)
+    report = sub.add_parser("report", help="compare runs: one line per run directory")
+    report.add_argument("run_dirs", nargs="+", help="output directories of hvdtrain train")
+    report.set_defaults(func=cmd_report)
     return parser
 
 

@@ -1,0 +1,37 @@
+"""The smallest complete hvdtrain.keras program: a CNN on scikit-learn's digits with model.fit.
+
+Launch::
+
+    horovodrun -np 2 python examples/keras_minimal.py
+    mpirun -np 2 -bind-to none -map-by slot -x PATH python examples/keras_minimal.py
+"""
+import numpy as np
+import tensorflow as tf
+
+import hvdtrain.keras as hk
+from hvdtrain import data
+from hvdtrain.keras.models import build_model
+
+K = 2  # backward_passes_per_step: one all-reduce per 2 micro-batches
+
+info = hk.init(seed=0)                       # hvd.init(), threads per rank, per-rank seed
+split = data.load_digits()
+x_train = split.x_train.transpose(0, 2, 3, 1)                  # NHWC for Keras
+dataset = hk.shard_dataset(x_train, split.y_train, batch_size=16, seed=0)
+micro_per_epoch = hk.micro_batches_per_epoch(len(x_train), 16, info.size, K)
+
+model = build_model()                                          # built: weights exist
+optimizer = tf.keras.optimizers.SGD(0.01, momentum=0.9)
+model, optimizer = hk.distribute(model, optimizer, backward_passes_per_step=K,
+                                 lr_scaling="linear")          # lr x size x K, rank 0's weights
+model.compile(optimizer=optimizer, metrics=["accuracy"],
+              loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+model.fit(dataset, epochs=10, steps_per_epoch=micro_per_epoch,  # whole accumulation groups
+          callbacks=hk.callbacks(optimizer, warmup_epochs=1,   # metric averaging + warmup
+                                 steps_per_epoch=micro_per_epoch // K),
+          verbose=1 if info.rank == 0 else 0)
+
+logits = model(split.x_test.transpose(0, 2, 3, 1), training=False)
+accuracy = float(np.mean(np.argmax(logits, axis=1) == split.y_test))
+if info.rank == 0:
+    print(f"held-out accuracy {accuracy:.4f} on {info.size} ranks")

@@ -1,0 +1,43 @@
+"""Both frameworks write metrics.json with the same keys, and `hvdtrain report` compares them."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from jobs import horovodrun, job_env, run
+
+
+def keys(obj, prefix=""):
+    """All key paths of nested dicts (lists: their first element)."""
+    out = set()
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.add(prefix + k)
+            out |= keys(v, prefix + k + ".")
+    elif isinstance(obj, list) and obj:
+        out |= keys(obj[0], prefix + "[].")
+    return out
+
+
+def test_same_metrics_keys_and_report(tmp_path):
+    dirs = {}
+    for framework in ("torch", "keras"):
+        dirs[framework] = tmp_path / framework
+        run(horovodrun(2, "hvdtrain", "train", "--framework", framework, "--epochs", "2",
+                       "--output-dir", str(dirs[framework]), "--no-progress"))
+    metrics = {f: json.loads((d / "metrics.json").read_text()) for f, d in dirs.items()}
+    torch_keys = keys(metrics["torch"]) - {k for k in keys(metrics["torch"]) if k.startswith("versions.")}
+    keras_keys = keys(metrics["keras"]) - {k for k in keys(metrics["keras"]) if k.startswith("versions.")}
+    assert torch_keys == keras_keys
+    assert {"epochs.[].test_accuracy", "epochs.[].samples_per_sec", "global_batch", "size"} <= torch_keys
+
+    exe = Path(sys.executable).parent / "hvdtrain"
+    proc = subprocess.run([str(exe), "report", str(dirs["torch"]), str(dirs["keras"])],
+                          capture_output=True, text=True, env=job_env(), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split()[:3] == ["run", "framework", "size"]
+    for line, framework in zip(lines[1:], ("torch", "keras")):
+        fields = line.split()
+        assert fields[1] == framework and fields[2] == "2" and fields[3] == "32"
+        assert float(fields[5]) == round(metrics[framework]["final_test_accuracy"], 4)
