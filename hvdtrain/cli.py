@@ -1,9 +1,11 @@
-"""The ``hvdtrain`` command: ``hvdtrain train ...``, ``hvdtrain doctor``, ``hvdtrain report``.
+"""The ``hvdtrain`` command: ``train``, ``launch``, ``doctor`` and ``report``.
 
 Launch training the way Horovod users do::
 
     horovodrun -np 2 hvdtrain train --framework torch --dataset digits
     mpirun -np 2 -bind-to none -map-by slot -x PATH hvdtrain train --framework torch
+
+    hvdtrain launch --hostfile hostfiles/two-hosts.txt -np 4 -- hvdtrain train --framework keras
 
 Options are validated before any framework is imported or Horovod starts, so bad input fails in
 a second with a message that names the option (exit status 2).
@@ -102,6 +104,42 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_launch(args: argparse.Namespace) -> int:
+    """Validate the hostfile and -np, print the launcher's command line, run it (unless
+    ``--dry-run``) and return its exit status; 2 on bad input, before anything starts."""
+    import os
+    import shlex
+    import shutil
+    import subprocess
+
+    from hvdtrain import hostfile as hf
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        return _fail("no command to launch; write it after '--', e.g. "
+                     "hvdtrain launch --hostfile hosts -np 2 -- hvdtrain train")
+    try:
+        hosts = hf.read_hostfile(args.hostfile)
+        hf.check_np(hosts, args.np)
+    except hf.HostfileError as exc:
+        return _fail(str(exc))
+    if args.launcher == "horovodrun":
+        argv, env = hf.horovodrun_argv(args.np, hosts, command, ssh_port=args.ssh_port,
+                                       ssh_identity_file=args.ssh_identity_file,
+                                       network_interfaces=args.network_interfaces,
+                                       gloo=args.gloo, env=dict(os.environ))
+    else:
+        mca = dict(kv.split("=", 1) for kv in args.mca)
+        argv, env = hf.mpirun_argv(args.np, hosts, command, env=dict(os.environ),
+                                   allow_run_as_root=os.geteuid() == 0, mca=mca)
+    print(shlex.join(argv), flush=True)
+    if args.dry_run:
+        return 0
+    if shutil.which(argv[0], path=env.get("PATH")) is None:
+        return _fail(f"{argv[0]} not found on PATH; run 'make setup' (Open MPI and Horovod) or "
+                     "use the other --launcher")
+    return subprocess.run(argv, env=env).returncode
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``hvdtrain`` argument parser with one sub-command per task."""
     parser = argparse.ArgumentParser(prog="hvdtrain", description=__doc__.splitlines()[0])
@@ -112,6 +150,20 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
     doctor = sub.add_parser("doctor", help="show what Horovod supports on this machine")
     doctor.set_defaults(func=cmd_doctor)
+    launch = sub.add_parser("launch", help="validate a hostfile and run a command on its hosts")
+    launch.add_argument("--hostfile", required=True, help="'host slots=N' lines (or host:N)")
+    launch.add_argument("-np", "--num-proc", dest="np", type=int, required=True,
+                        help="processes in all")
+    launch.add_argument("--launcher", choices=("horovodrun", "mpirun"), default="horovodrun")
+    launch.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
+    launch.add_argument("--ssh-port", type=int, help="horovodrun: ssh port of the hosts")
+    launch.add_argument("--ssh-identity-file", help="horovodrun: ssh private key")
+    launch.add_argument("--network-interfaces", help="horovodrun: interfaces to use, e.g. eth0")
+    launch.add_argument("--gloo", action="store_true", help="horovodrun: Gloo instead of MPI")
+    launch.add_argument("--mca", action="append", default=[], metavar="KEY=VALUE",
+                        help="mpirun: extra '-mca KEY VALUE' (repeatable)")
+    launch.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
+    launch.set_defaults(func=cmd_launch)
     report = sub.add_parser("report", help="compare runs: one line per run directory")
     report.add_argument("run_dirs", nargs="+", help="output directories of hvdtrain train")
     report.set_defaults(func=cmd_report)

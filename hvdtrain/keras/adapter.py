@@ -50,7 +50,7 @@ def init(seed: int = 42, threads: int | None = None) -> runtime.RankInfo:
     seed = runtime.rank_seed(seed, hvd.rank())
     tf.keras.utils.set_random_seed(seed)
     return runtime.RankInfo(hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size(), threads,
-                            seed)
+                            seed, hvd.cross_size())
 
 
 def rank_info() -> runtime.RankInfo:

@@ -45,7 +45,7 @@ def init(seed: int = 42, threads: int | None = None) -> runtime.RankInfo:
     torch.manual_seed(seed)
     runtime.seed_python_numpy(seed)
     return runtime.RankInfo(hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size(), threads,
-                            seed)
+                            seed, hvd.cross_size())
 
 
 def rank_info() -> runtime.RankInfo:

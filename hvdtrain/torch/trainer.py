@@ -94,7 +94,7 @@ def fit(cfg: TrainConfig) -> dict:
         "scaled_lr": schedule.scaled_lr(cfg.lr, cfg.lr_scaling, info.size, k),
         "lr_scaling": cfg.lr_scaling, "warmup_epochs": cfg.warmup_epochs,
         "train_samples": len(train_set), "test_samples": len(x_test),
-        "threads_per_rank": info.threads, "config": cfg.to_dict(),
+        "threads_per_rank": info.threads, "hosts": info.hosts, "config": cfg.to_dict(),
         "versions": {"torch": torch.__version__, "horovod": horovod.__version__}},
         is_root=info.is_root)
     log.info("%d ranks x local batch %d x k=%d = global batch %d; lr %g -> %g (%s, warmup %g "

@@ -1,0 +1,91 @@
+"""Real multi-host runs: two test hosts on this machine (sshd on 127.0.0.2 and 127.0.0.3, see
+testhosts.py), a hostfile naming them, and `hvdtrain launch` driving horovodrun and mpirun."""
+import json
+import shlex
+import subprocess
+
+import pytest
+
+from jobs import BIN, horovodrun, job_env, run, script
+from testhosts import SshTestHosts
+
+EPOCHS = "3"
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    with SshTestHosts(count=2, slots=1) as h:
+        path = tmp_path_factory.mktemp("hosts") / "hostfile"
+        path.write_text(h.hostfile_text)
+        h.path = path
+        yield h
+
+
+def launch(hosts, launcher, *command, extra=()):
+    argv = [str(BIN / "hvdtrain"), "launch", "--hostfile", str(hosts.path), "-np", "2",
+            "--launcher", launcher]
+    if launcher == "horovodrun":
+        argv += ["--ssh-port", str(hosts.port), "--ssh-identity-file", str(hosts.identity),
+                 "--network-interfaces", "lo"]
+    else:
+        argv += ["--mca", f"plm_rsh_args={shlex.join(hosts.ssh_options)}",
+                 "--mca", "btl_tcp_if_include=lo", "--mca", "oob_tcp_if_include=lo"]
+    return argv + [*extra, "--", *command]
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun", "mpirun"])
+def test_ranks_run_on_different_hosts(hosts, launcher, tmp_path):
+    out = tmp_path / "where.json"
+    proc = run(launch(hosts, launcher, *script("whereami.py"), "--out", str(out)))
+    printed = proc.stdout.splitlines()[0]
+    assert f"--hostfile {hosts.path}" in printed  # a bare hostfile goes to the launcher as is
+    ranks = json.loads(out.read_text())
+    assert sorted(r["host"] for r in ranks) == hosts.addresses
+    assert all(r["local_size"] == 1 and r["cross_size"] == 2 for r in ranks)
+
+
+@pytest.fixture(scope="module")
+def single_host(tmp_path_factory):
+    """The same training on one host (-np 2 on localhost), per framework."""
+    results = {}
+    for framework in ("torch", "keras"):
+        out = tmp_path_factory.mktemp(f"single-{framework}")
+        run(horovodrun(2, "hvdtrain", "train", "--framework", framework, "--epochs", EPOCHS,
+                       "--output-dir", str(out), "--no-progress"))
+        results[framework] = json.loads((out / "metrics.json").read_text())
+    return results
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun", "mpirun"])
+@pytest.mark.parametrize("framework", ["torch", "keras"])
+def test_training_across_hosts_matches_single_host(hosts, single_host, framework, launcher,
+                                                   tmp_path):
+    run(launch(hosts, launcher, "hvdtrain", "train", "--framework", framework, "--epochs",
+               EPOCHS, "--output-dir", str(tmp_path), "--no-progress"))
+    multi = json.loads((tmp_path / "metrics.json").read_text())
+    single = single_host[framework]
+    assert multi["size"] == 2 and multi["hosts"] == 2 and single["hosts"] == 1
+    for a, b in zip(multi["epochs"], single["epochs"]):
+        for key in ("train_loss", "train_accuracy", "test_loss", "test_accuracy", "lr"):
+            assert a[key] == pytest.approx(b[key], abs=1e-6), (a["epoch"], key)
+
+
+def test_launch_dry_run_prints_exactly_what_runs(hosts, tmp_path):
+    # A stand-in mpirun first on PATH records the argv it is started with.
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    record = tmp_path / "argv.json"
+    fake = fake_bin / "mpirun"
+    fake.write_text(f"#!{BIN / 'python'}\nimport json, sys\n"
+                    f"json.dump(sys.argv[1:], open({str(record)!r}, 'w'))\n")
+    fake.chmod(0o755)
+    env = job_env()
+    env["PATH"] = f"{fake_bin}:{env['PATH']}"
+    argv = launch(hosts, "mpirun", "python", "train.py", "--epochs", "2")
+    dry = subprocess.run(argv[:2] + ["--dry-run"] + argv[2:], env=env, capture_output=True,
+                         text=True, timeout=60)
+    real = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0 and real.returncode == 0, dry.stderr + real.stderr
+    printed = shlex.split(dry.stdout.strip())
+    assert printed[0] == "mpirun" and printed[1:] == json.loads(record.read_text())
+    assert real.stdout.strip() == dry.stdout.strip()

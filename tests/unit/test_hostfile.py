@@ -1,0 +1,138 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hvdtrain import hostfile as hf
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def read(tmp_path, text):
+    path = tmp_path / "hosts"
+    path.write_text(text)
+    return hf.read_hostfile(path)
+
+
+def test_openmpi_format_with_comments_blank_lines_and_max_slots(tmp_path):
+    h = read(tmp_path, "# cluster\n\nnode-1 slots=4 max_slots=8  # big one\n10.1.2.3 slots=2\n"
+                       "fe80::1 slots=1\n")
+    assert [(x.name, x.slots, x.line) for x in h.hosts] == [
+        ("node-1", 4, 3), ("10.1.2.3", 2, 4), ("fe80::1", 1, 5)]
+    assert h.slots == 7 and not h.bare and not h.mpich
+    assert h.as_h() == "node-1:4,10.1.2.3:2,fe80::1:1"
+
+
+def test_bare_and_mpich_files(tmp_path):
+    assert read(tmp_path, "a slots=1\nb slots=2\n").bare
+    m = read(tmp_path, "a:2\nb.example.org:3\n")
+    assert m.mpich and [(x.name, x.slots) for x in m.hosts] == [("a", 2), ("b.example.org", 3)]
+
+
+@pytest.mark.parametrize("text,message", [
+    ("node1\n", "line 1: 'node1' has no slots; write 'node1 slots=N'"),
+    ("node1 slots=x\n", "line 1: 'slots=x' is not a whole number; write e.g. slots=2"),
+    ("node1 slots=0\n", "line 1: 'slots=0' must be at least 1"),
+    ("node1 slots=-2\n", "line 1: 'slots=-2' is not a whole number"),
+    ("node1:two\n", "line 1: 'slots=two' is not a whole number"),
+    ("# c\nnode1 slots=2 gpus=4\n", "line 2: unknown key 'gpus'; the keys are slots, max_slots"),
+    ("node1 2\n", "line 1: '2' is not key=value"),
+    ("node1 slots=4 max_slots=2\n", "line 1: max_slots=2 is below slots=4"),
+    ("node1:2 slots=2\n", "line 1: slots given twice"),
+    ("node_1 slots=2\n", "line 1: 'node_1' is not a valid hostname or IP address"),
+    ("-node slots=2\n", "'-node' is not a valid hostname"),
+    ("10.0.0.300 slots=2\n", "'10.0.0.300' is not a valid hostname"),
+    ("a..b slots=1\n", "'a..b' is not a valid hostname"),
+    ("a slots=1\nb slots=1\na slots=2\n", "line 3: host 'a' is already on line 1"),
+    ("# nothing\n\n", "names no hosts"),
+])
+def test_errors_name_the_line_and_the_fix(tmp_path, text, message):
+    with pytest.raises(hf.HostfileError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        read(tmp_path, text)
+
+
+def test_unreadable_hostfile(tmp_path):
+    with pytest.raises(hf.HostfileError, match="cannot read hostfile .*missing"):
+        hf.read_hostfile(tmp_path / "missing")
+
+
+def test_np_checks(tmp_path):
+    h = read(tmp_path, "a slots=2\nb slots=1\n")
+    hf.check_np(h, 3)
+    with pytest.raises(hf.HostfileError, match=r"-np 4 is more than the 3 slots .*\(a:2,b:1\); "
+                                               "lower -np or add slots"):
+        hf.check_np(h, 4)
+    with pytest.raises(hf.HostfileError, match="-np must be at least 1"):
+        hf.check_np(h, 0)
+
+
+def test_long_hostnames():
+    assert hf.valid_hostname("a" * 63 + ".example")
+    assert not hf.valid_hostname("a" * 64)
+    assert not hf.valid_hostname(".".join(["abc"] * 70))
+
+
+def test_horovodrun_argv(tmp_path):
+    bare = read(tmp_path, "a slots=2\nb slots=2\n")
+    argv, env = hf.horovodrun_argv(4, bare, ["hvdtrain", "train"], ssh_port=2222,
+                                   ssh_identity_file="/k", network_interfaces="eth0",
+                                   env={"X": "1"})
+    assert argv == ["horovodrun", "-np", "4", "--hostfile", str(tmp_path / "hosts"),
+                    "--ssh-port", "2222", "--ssh-identity-file", "/k",
+                    "--network-interfaces", "eth0", "hvdtrain", "train"]
+    assert env == {"X": "1"}
+    commented = read(tmp_path, "# two nodes\na slots=2\nb slots=1\n")
+    argv, _ = hf.horovodrun_argv(3, commented, ["python", "t.py"], gloo=True)
+    assert argv == ["horovodrun", "-np", "3", "-H", "a:2,b:1", "--gloo", "python", "t.py"]
+
+
+def test_mpirun_argv(tmp_path):
+    h = read(tmp_path, "a slots=2\nb slots=2\n")
+    env = {"PATH": "/bin", "LD_LIBRARY_PATH": "/lib", "HOROVOD_FUSION_THRESHOLD": "1",
+           "PYTHONPATH": "/p", "SECRET": "no"}
+    argv, out_env = hf.mpirun_argv(4, h, ["python", "t.py"], env=env, allow_run_as_root=True,
+                                   mca={"btl_tcp_if_include": "lo"})
+    assert argv == ["mpirun", "--allow-run-as-root", "-np", "4", "--hostfile",
+                    str(tmp_path / "hosts"), "-bind-to", "none", "-map-by", "slot",
+                    "-x", "HOROVOD_FUSION_THRESHOLD", "-x", "LD_LIBRARY_PATH", "-x", "PATH",
+                    "-x", "PYTHONPATH", "-mca", "pml", "ob1", "-mca", "btl", "^openib",
+                    "-mca", "btl_tcp_if_include", "lo", "python", "t.py"]
+    assert out_env == env
+    mpich = read(tmp_path, "a:2\nb:2\n")
+    argv, _ = hf.mpirun_argv(2, mpich, ["x"])
+    assert argv[:5] == ["mpirun", "-np", "2", "-H", "a:2,b:2"]
+    with pytest.raises(ValueError, match="no command to launch"):
+        hf.mpirun_argv(2, mpich, [])
+
+
+def test_format_hostfile_round_trips(tmp_path):
+    h = read(tmp_path, "a slots=2\nb:3\n")
+    for style in ("openmpi", "mpich"):
+        assert [(x.name, x.slots) for x in hf.parse_hostfile(hf.format_hostfile(h.hosts, style))] \
+            == [("a", 2), ("b", 3)]
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "hostfiles").glob("*.txt")))
+def test_example_hostfiles_are_valid(name):
+    assert hf.read_hostfile(ROOT / "hostfiles" / name).slots >= 1
+
+
+def test_launch_rejects_bad_input_before_launching(tmp_path):
+    bad = tmp_path / "hosts"
+    bad.write_text("a slots=2\nb slots=two\n")
+    exe = [sys.executable, "-m", "hvdtrain.cli", "launch"]
+    proc = subprocess.run(exe + ["--hostfile", str(bad), "-np", "2", "--", "true"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert f"hostfile {bad} line 2: 'slots=two' is not a whole number" in proc.stderr
+    good = ROOT / "hostfiles" / "localhost.txt"
+    proc = subprocess.run(exe + ["--hostfile", str(good), "-np", "3", "--", "true"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "-np 3 is more than the 2 slots" in proc.stderr
+    proc = subprocess.run(exe + ["--hostfile", str(good), "-np", "2"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "no command to launch" in proc.stderr
+    proc = subprocess.run(exe + ["--hostfile", str(good), "-np", "2", "--", "true"],
+                          capture_output=True, text=True, timeout=60, env={"PATH": "/nonexistent"})
+    assert proc.returncode == 2 and "horovodrun not found on PATH" in proc.stderr
