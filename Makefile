@@ -9,7 +9,7 @@ export PATH := $(VENV)/bin:$(PATH)
 export OMPI_MCA_mpi_yield_when_idle ?= 1
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: setup demo test unit parallel doctor clean
+.PHONY: setup demo test unit parallel bench doctor clean
 
 setup:
 	bash scripts/setup.sh
@@ -29,6 +29,9 @@ unit: setup
 
 parallel: setup
 	$(PY) -m pytest tests/parallel
+
+bench: setup
+	cd benchmarks && $(PY) run_all.py
 
 doctor: setup
 	hvdtrain doctor

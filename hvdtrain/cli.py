@@ -122,13 +122,18 @@ def cmd_launch(args: argparse.Namespace) -> int:
         hf.check_np(hosts, args.np)
     except hf.HostfileError as exc:
         return _fail(str(exc))
+    tuning = {} if args.no_tuning else hf.launch_tuning(hosts, runtime.available_cores())
+    if tuning and runtime.launcher_rank() == 0:
+        print(f"hvdtrain: a host runs >= {runtime.available_cores()} ranks (this machine's "
+              f"cores): idle MPI ranks yield ({', '.join(f'{k}={v}' for k, v in tuning.items())}"
+              "); --no-tuning turns this off", file=sys.stderr)
+    mca = {**tuning, **dict(kv.split("=", 1) for kv in args.mca)}
     if args.launcher == "horovodrun":
         argv, env = hf.horovodrun_argv(args.np, hosts, command, ssh_port=args.ssh_port,
                                        ssh_identity_file=args.ssh_identity_file,
                                        network_interfaces=args.network_interfaces,
-                                       gloo=args.gloo, env=dict(os.environ))
+                                       gloo=args.gloo, mca=mca, env=dict(os.environ))
     else:
-        mca = dict(kv.split("=", 1) for kv in args.mca)
         argv, env = hf.mpirun_argv(args.np, hosts, command, env=dict(os.environ),
                                    allow_run_as_root=os.geteuid() == 0, mca=mca)
     print(shlex.join(argv), flush=True)
@@ -161,7 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--network-interfaces", help="horovodrun: interfaces to use, e.g. eth0")
     launch.add_argument("--gloo", action="store_true", help="horovodrun: Gloo instead of MPI")
     launch.add_argument("--mca", action="append", default=[], metavar="KEY=VALUE",
-                        help="mpirun: extra '-mca KEY VALUE' (repeatable)")
+                        help="extra Open MPI parameter '-mca KEY VALUE' (repeatable)")
+    launch.add_argument("--no-tuning", action="store_true",
+                        help="do not add hvdtrain's machine-specific MPI settings")
     launch.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
     launch.set_defaults(func=cmd_launch)
     report = sub.add_parser("report", help="compare runs: one line per run directory")

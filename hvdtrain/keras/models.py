@@ -18,3 +18,26 @@ def build_model(num_classes: int = 10, image_size: int = 8) -> tf.keras.Model:
     ], name="digits_cnn")
     model.build((None, image_size, image_size, 1))
     return model
+
+
+def bench_model(name: str, num_classes: int = 10, image_size: int = 32) -> tf.keras.Model:
+    """The benchmark models of :func:`hvdtrain.torch.models.bench_model`, channels-last input
+    ``(B, S, S, 3)``; built on return.
+
+    Raises:
+        ValueError: unknown ``name``.
+    """
+    layers = tf.keras.layers
+    if name == "cnn":
+        body = [layers.Conv2D(32, 3, padding="same", activation="relu"),
+                layers.Conv2D(64, 3, padding="same", activation="relu"), layers.MaxPool2D(2),
+                layers.Conv2D(64, 3, padding="same", activation="relu"), layers.MaxPool2D(2),
+                layers.Flatten(), layers.Dense(64, activation="relu"), layers.Dense(num_classes)]
+    elif name == "dense":
+        body = [layers.Flatten(), layers.Dense(2048, activation="relu"),
+                layers.Dense(2048, activation="relu"), layers.Dense(num_classes)]
+    else:
+        raise ValueError(f"unknown benchmark model {name!r}; use cnn or dense")
+    model = tf.keras.Sequential(body, name=f"bench_{name}")
+    model.build((None, image_size, image_size, 3))
+    return model

@@ -30,3 +30,27 @@ class DigitsCNN(nn.Module):
 def build_model(num_classes: int = 10, image_size: int = 8) -> nn.Module:
     """The model ``hvdtrain train`` uses for ``(B, 1, image_size, image_size)`` inputs."""
     return DigitsCNN(num_classes, image_size)
+
+
+def bench_model(name: str, num_classes: int = 10, image_size: int = 32) -> nn.Module:
+    """Benchmark models for ``(B, 3, S, S)`` images (mirrored in hvdtrain.keras.models).
+
+    * ``"cnn"``: conv3x3(3->32) -> conv3x3(32->64) -> maxpool2 -> conv3x3(64->64) -> maxpool2 ->
+      dense(64*(S/4)^2 -> 64) -> dense(64 -> classes); 319,178 parameters at S=32, compute-bound.
+    * ``"dense"``: flatten -> dense(3*S^2 -> 2048) -> dense(2048 -> 2048) -> dense(2048 ->
+      classes); 10.5 M parameters (42 MB of gradients per step) at S=32, communication-bound.
+
+    Raises:
+        ValueError: unknown ``name``.
+    """
+    if name == "cnn":
+        return nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+            nn.MaxPool2d(2), nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(64 * (image_size // 4) ** 2, 64), nn.ReLU(),
+            nn.Linear(64, num_classes))
+    if name == "dense":
+        return nn.Sequential(
+            nn.Flatten(), nn.Linear(3 * image_size ** 2, 2048), nn.ReLU(),
+            nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, num_classes))
+    raise ValueError(f"unknown benchmark model {name!r}; use cnn or dense")

@@ -9,7 +9,6 @@ Launch::
 import argparse
 import json
 import os
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ["HOROVOD_TIMELINE"] = "DYNAMIC"  # allow start_timeline/stop_timeline
@@ -19,10 +18,9 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import hvdtrain.keras as hk  # noqa: E402
+from hvdtrain.timeline import count_ops, load_events  # noqa: E402
 from hvdtrain.keras.models import build_model  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timeline import count_ops, load_events  # noqa: E402
 
 
 class Timeline(tf.keras.callbacks.Callback):

@@ -10,7 +10,6 @@ Launch::
 import argparse
 import json
 import os
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import horovod.torch as hvd
 import horovod.torch.optimizer as hvd_optimizer
 import hvdtrain.torch as ht
+from hvdtrain.timeline import count_ops, load_events
 from hvdtrain.torch.models import DigitsCNN
 
 calls = {"n": 0}
@@ -30,8 +30,6 @@ def counting_allreduce_async_(*args, **kwargs):
     return _real(*args, **kwargs)
 
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timeline import count_ops, load_events  # noqa: E402
 
 
 def one_epoch(k: int, info, samples: int, batch_size: int, timeline: str) -> dict:

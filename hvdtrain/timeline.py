@@ -1,8 +1,12 @@
-"""Reads Horovod timelines (Chrome-trace JSON written by rank 0 with ``hvd.start_timeline``).
+"""Reads Horovod timelines (Chrome-trace JSON written by rank 0 with ``hvd.start_timeline``, which
+needs ``HOROVOD_TIMELINE=DYNAMIC`` in the environment before ``hvd.init()``), to count the
+collective operations Horovod really executed.
 
 Each collective Horovod executes on a tensor appears as a begin event (``"ph": "B"``) named after
 the operation (``ALLREDUCE``, ``BROADCAST``, ...) on a track (``pid``) named after the tensor.
 """
+from __future__ import annotations
+
 import json
 import time
 from pathlib import Path

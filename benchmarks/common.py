@@ -1,0 +1,134 @@
+"""Helpers shared by the benchmark scripts: launching runs, medians, JSON, plots, README tables.
+
+Timings on shared machines are noisy, so every comparison is a ratio of runs made side by side in
+one invocation, and each number is the median over ``--repeats`` runs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BIN = Path(sys.executable).parent
+# Where results (JSON, PNG) go; tests point this at a temporary directory.
+RESULTS = Path(os.environ.get("HVDTRAIN_BENCH_RESULTS", HERE / "results"))
+
+
+def machine() -> dict:
+    """Facts about the machine the numbers were measured on."""
+    import multiprocessing
+
+    import torch
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": model, "cores": multiprocessing.cpu_count(),
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30),
+            "python": platform.python_version(), "torch": torch.__version__.split("+")[0],
+            "horovod": _version("horovod"), "tensorflow": _version("tensorflow-cpu")}
+
+
+def _version(dist: str) -> str:
+    import importlib.metadata as md
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return "-"
+
+
+def base_env(yield_when_idle: bool) -> dict:
+    """The environment for a run: this venv first on PATH; Open MPI's yield setting on or
+    explicitly off (horovodrun's default), whatever the caller's shell had."""
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    env.pop("OMPI_MCA_mpi_yield_when_idle", None)
+    if yield_when_idle:
+        env["OMPI_MCA_mpi_yield_when_idle"] = "1"
+    return env
+
+
+def hvdtrain_launch(np_: int, command: list[str]) -> list[str]:
+    """argv of ``hvdtrain launch`` on this host with ``np_`` slots (hvdtrain's own defaults)."""
+    hostfile = Path(tempfile.gettempdir()) / f"hvdtrain-bench-localhost-{np_}.txt"
+    hostfile.write_text(f"localhost slots={np_}\n")
+    return [str(BIN / "hvdtrain"), "launch", "--hostfile", str(hostfile), "-np", str(np_), "--",
+            *command]
+
+
+def horovodrun(np_: int, command: list[str], extra: tuple[str, ...] = ()) -> list[str]:
+    """argv of plain ``horovodrun -np N -H localhost:N`` (Horovod's defaults)."""
+    return [str(BIN / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", *extra, *command]
+
+
+def run_json(argv: list[str], env: dict, timeout: int = 900) -> dict:
+    """Run a job and return the dict on its last ``JSON {...}`` line (rank 0's).
+
+    Raises:
+        RuntimeError: the job failed or printed no JSON line; the message holds its output tail.
+    """
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [line.split("JSON ", 1)[1] for line in proc.stdout.splitlines() if "JSON {" in line]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}):\n"
+                           f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def median(values) -> float:
+    return float(statistics.median(values))
+
+
+def save(name: str, payload: dict) -> Path:
+    """Write ``results/<name>.json`` (with the machine description) and return its path."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
+    return path
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    """A Markdown table."""
+    def fmt(v):
+        return f"{v:.3g}" if isinstance(v, float) and abs(v) < 1 else (
+            f"{v:,.1f}" if isinstance(v, float) else str(v))
+    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    out += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def update_readme(section: str, text: str) -> None:
+    """Replace the text between ``<!-- section:start -->`` and ``<!-- section:end -->`` in
+    benchmarks/README.md (the markers must exist)."""
+    readme = HERE / "README.md"
+    content = readme.read_text()
+    start, end = f"<!-- {section}:start -->", f"<!-- {section}:end -->"
+    if start not in content or end not in content:
+        raise ValueError(f"benchmarks/README.md lacks the markers {start} ... {end}")
+    head, rest = content.split(start, 1)
+    _, tail = rest.split(end, 1)
+    readme.write_text(f"{head}{start}\n{text}\n{end}{tail}")
+
+
+def plot(path: Path, draw) -> None:
+    """Save a matplotlib figure drawn by ``draw(ax)`` as PNG (no display needed)."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
+    draw(ax)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

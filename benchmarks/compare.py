@@ -1,0 +1,82 @@
+"""hvdtrain against PyTorch DistributedDataParallel and a hand-written plain Horovod loop: the same
+model, synthetic data, local batch and np=2, measured side by side (medians over repeats).
+
+* hvdtrain: ``hvdtrain launch`` (its machine-specific MPI settings) + hvdtrain.torch
+* plain Horovod, defaults: ``horovodrun`` as is + Horovod's example loop
+* plain Horovod, tuned: the same loop with hvdtrain's launcher setting (mpi_yield_when_idle=1),
+  to separate the adapter's cost from the launcher's
+* DDP: ``torchrun --standalone --nproc_per_node 2`` + DistributedDataParallel (Gloo)
+
+Run::
+
+    .venv/bin/python benchmarks/compare.py [--repeats 5] [--readme]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import common
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="cnn")
+    p.add_argument("--np", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batches", type=int, default=10)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--readme", action="store_true")
+    args = p.parse_args(argv)
+
+    def synthetic(mode):
+        return [sys.executable, str(common.HERE / "synthetic.py"), "--framework", "torch",
+                "--model", args.model, "--mode", mode, "--batch-size", str(args.batch_size),
+                "--num-warmup-batches", str(args.warmup), "--num-batches-per-iter",
+                str(args.batches), "--num-iters", str(args.iters)]
+
+    runs = {
+        "hvdtrain": (common.hvdtrain_launch(args.np, synthetic("hvdtrain")),
+                     common.base_env(False)),
+        "plain Horovod (defaults)": (common.horovodrun(args.np, synthetic("plain")),
+                                     common.base_env(False)),
+        "plain Horovod (tuned launcher)": (common.horovodrun(args.np, synthetic("plain")),
+                                           common.base_env(True)),
+        "DDP (Gloo, torchrun)": ([str(common.BIN / "torchrun"), "--standalone",
+                                  f"--nproc_per_node={args.np}", *synthetic("ddp")[1:]],
+                                 common.base_env(False)),
+    }
+    samples = {name: [] for name in runs}
+    for _ in range(args.repeats):  # interleaved, so drifts in machine load hit every variant
+        for name, (argv_, env) in runs.items():
+            samples[name].append(common.run_json(argv_, env)["total_img_sec"])
+    medians = {name: common.median(v) for name, v in samples.items()}
+    h = medians["hvdtrain"]
+    ratios = {"hvdtrain / DDP": h / medians["DDP (Gloo, torchrun)"],
+              "hvdtrain / plain Horovod (defaults)": h / medians["plain Horovod (defaults)"],
+              "hvdtrain / plain Horovod (tuned launcher)":
+                  h / medians["plain Horovod (tuned launcher)"]}
+    text = common.table(["run", "total img/s (median)", "runs"],
+                        [[n, m, ", ".join(f"{x:.0f}" for x in samples[n])]
+                         for n, m in medians.items()])
+    text += "\n\n" + common.table(["ratio", "value"], [[k, v] for k, v in ratios.items()])
+    print(text)
+    path = common.save("compare", {"args": vars(args), "samples": samples, "medians": medians,
+                                   "ratios": ratios})
+    png = common.RESULTS / "compare.png"
+
+    def draw(ax):
+        ax.barh(list(medians), list(medians.values()))
+        ax.set_xlabel("total img/s (median)")
+        ax.set_title(f"{args.model}, batch {args.batch_size}/worker, np={args.np}")
+    common.plot(png, draw)
+    print(f"wrote {path} and {png}")
+    if args.readme:
+        common.update_readme("compare", text)
+    return {"medians": medians, "ratios": ratios}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Scaling efficiency: synthetic.py at np = 1, 2 (and 4, oversubscribed on a 2-core machine) for
+both frameworks, against a plain single-process loop with no Horovod at all.
+
+    efficiency(N) = T(N) / (N x T_single)     (T: total img/sec)
+
+Run::
+
+    .venv/bin/python benchmarks/scaling.py [--repeats 3] [--nps 1,2,4] [--readme]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import common
+
+
+def synthetic(framework: str, mode: str, args) -> list[str]:
+    return [sys.executable, str(common.HERE / "synthetic.py"), "--framework", framework,
+            "--model", args.model, "--mode", mode, "--batch-size", str(args.batch_size),
+            "--num-warmup-batches", str(args.warmup), "--num-batches-per-iter",
+            str(args.batches), "--num-iters", str(args.iters)]
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--frameworks", default="torch,keras")
+    p.add_argument("--nps", default="1,2,4")
+    p.add_argument("--model", default="cnn")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--batches", type=int, default=10)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--readme", action="store_true", help="rewrite benchmarks/README.md's table")
+    args = p.parse_args(argv)
+    cores = common.machine()["cores"]
+    rows, results = [], []
+    for framework in args.frameworks.split(","):
+        single = common.median(common.run_json(synthetic(framework, "single", args),
+                                               common.base_env(False))["total_img_sec"]
+                               for _ in range(args.repeats))
+        for np_ in (int(n) for n in args.nps.split(",")):
+            total = common.median(
+                common.run_json(common.hvdtrain_launch(np_, synthetic(framework, "hvdtrain", args)),
+                                common.base_env(False))["total_img_sec"]
+                for _ in range(args.repeats))
+            efficiency = total / (np_ * single)
+            note = "oversubscribed" if np_ > cores else ""
+            results.append({"framework": framework, "np": np_, "total_img_sec": total,
+                            "single_img_sec": single, "efficiency": efficiency, "note": note})
+            rows.append([framework, np_, single, total, efficiency, note])
+    headers = ["framework", "np", "single process img/s", "hvdtrain total img/s",
+               "efficiency T(N)/(N x T1)", "note"]
+    text = common.table(headers, rows)
+    print(text)
+    path = common.save("scaling", {"args": vars(args), "results": results})
+    png = common.RESULTS / "scaling.png"
+
+    def draw(ax):
+        for framework in args.frameworks.split(","):
+            pts = [r for r in results if r["framework"] == framework]
+            ax.plot([r["np"] for r in pts], [r["efficiency"] for r in pts], "o-", label=framework)
+        ax.axhline(0.9, ls="--", c="grey", label="target 0.90")
+        ax.set_xlabel("processes (np)")
+        ax.set_ylabel("scaling efficiency")
+        ax.set_title(f"{args.model}, batch {args.batch_size}/worker, {cores} cores")
+        ax.legend()
+    common.plot(png, draw)
+    print(f"wrote {path} and {png}")
+    if args.readme:
+        common.update_readme("scaling", text)
+    return {"results": results}
+
+
+if __name__ == "__main__":
+    main()

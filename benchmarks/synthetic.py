@@ -1,0 +1,199 @@
+"""Synthetic-data training throughput, in the output format of Horovod's
+``pytorch_synthetic_benchmark.py`` / ``tensorflow2_keras_synthetic_benchmark.py``.
+
+Launch::
+
+    horovodrun -np 2 python benchmarks/synthetic.py --framework torch --model cnn
+    horovodrun -np 2 python benchmarks/synthetic.py --framework keras --model cnn
+    python benchmarks/synthetic.py --framework torch --mode single      # no Horovod at all
+
+Modes: ``hvdtrain`` (hvdtrain.torch / hvdtrain.keras: thread budget, distribute), ``plain`` (a
+hand-written Horovod loop as in Horovod's examples: hvd.init, DistributedOptimizer, broadcast; no
+thread setting), ``single`` (one process, no Horovod) and ``ddp`` (PyTorch
+DistributedDataParallel over Gloo; ``torchrun --standalone --nproc_per_node 2 ...``). Prints ``Iter #i: X img/sec per
+worker``, ``Img/sec per worker: mean +- 1.96*std``, ``Total img/sec on N worker(s): ...`` and a
+last line ``JSON {...}`` with the numbers (img/sec are samples per second).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import timeit
+
+import numpy as np
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--framework", choices=("torch", "keras"), default="torch")
+    p.add_argument("--model", choices=("cnn", "dense"), default="cnn")
+    p.add_argument("--mode", choices=("hvdtrain", "plain", "single", "ddp"), default="hvdtrain",
+                   help="ddp: PyTorch DistributedDataParallel (Gloo), launch with torchrun")
+    p.add_argument("--batch-size", type=int, default=32, help="local batch")
+    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("-k", "--backward-passes-per-step", type=int, default=1)
+    p.add_argument("--num-warmup-batches", type=int, default=10)
+    p.add_argument("--num-batches-per-iter", type=int, default=10)
+    p.add_argument("--num-iters", type=int, default=5)
+    p.add_argument("--timeline-allreduces", action="store_true",
+                   help="count gradient all-reduces in Horovod's timeline over the timed batches")
+    return p.parse_args(argv)
+
+
+def torch_setup(args):
+    """Returns (step, rank, size, hvd module or None) for PyTorch."""
+    import torch
+    import torch.nn.functional as F
+
+    from hvdtrain.torch.models import bench_model
+
+    k = args.backward_passes_per_step
+    if args.mode == "single":
+        rank, size, hvd = 0, 1, None
+        torch.manual_seed(0)
+        model = bench_model(args.model, image_size=args.image_size)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    elif args.mode == "plain":
+        import horovod.torch as hvd
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+        model = bench_model(args.model, image_size=args.image_size)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * size, momentum=0.9)
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                             backward_passes_per_step=k)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    elif args.mode == "ddp":
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+        dist.init_process_group("gloo")
+        rank, size, hvd = dist.get_rank(), dist.get_world_size(), None
+        torch.manual_seed(0)
+        model = DistributedDataParallel(bench_model(args.model, image_size=args.image_size))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * size, momentum=0.9)
+        if k > 1:
+            raise SystemExit("--mode ddp measures k=1 only (use no_sync() for accumulation)")
+    else:
+        import horovod.torch as hvd
+
+        import hvdtrain.torch as ht
+        info = ht.init(seed=0)
+        rank, size = info.rank, info.size
+        model = bench_model(args.model, image_size=args.image_size)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        model, optimizer = ht.distribute(model, optimizer, backward_passes_per_step=k)
+    data = torch.randn(args.batch_size, 3, args.image_size, args.image_size)
+    target = torch.randint(0, 10, (args.batch_size,))
+
+    def step():
+        # One optimizer step = k micro-batches (each of the local batch).
+        for _ in range(k):
+            loss = F.cross_entropy(model(data), target) / k
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step, rank, size, hvd
+
+
+def keras_setup(args):
+    """Returns (step, rank, size, hvd module or None) for Keras."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    from hvdtrain.keras.models import bench_model
+
+    k = args.backward_passes_per_step
+    if args.mode == "single":
+        rank, size, hvd = 0, 1, None
+        tf.keras.utils.set_random_seed(0)
+        model = bench_model(args.model, image_size=args.image_size)
+        optimizer = tf.keras.optimizers.SGD(0.01, momentum=0.9)
+    elif args.mode == "plain":
+        import horovod.tensorflow.keras as hvd
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+        model = bench_model(args.model, image_size=args.image_size)
+        optimizer = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.01 * size, momentum=0.9),
+                                             backward_passes_per_step=k,
+                                             average_aggregated_gradients=True)
+    else:
+        import horovod.tensorflow.keras as hvd
+
+        import hvdtrain.keras as hk
+        info = hk.init(seed=0)
+        rank, size = info.rank, info.size
+        model = bench_model(args.model, image_size=args.image_size)
+        model, optimizer = hk.distribute(model, tf.keras.optimizers.SGD(0.01, momentum=0.9),
+                                         backward_passes_per_step=k)
+    model.compile(optimizer=optimizer,
+                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    if args.mode == "plain":
+        # Horovod's examples broadcast with a callback at the first batch; do it explicitly.
+        import horovod.tensorflow as hvd_tf
+        optimizer.build(model.trainable_variables)
+        hvd_tf.broadcast_variables(model.variables + optimizer.variables, root_rank=0)
+    data = tf.random.normal((args.batch_size, args.image_size, args.image_size, 3))
+    target = tf.random.uniform((args.batch_size,), 0, 10, dtype=tf.int64)
+
+    def step():
+        # One optimizer step = k micro-batches; Horovod's Keras optimizer applies every k-th.
+        for _ in range(k):
+            model.train_on_batch(data, target)
+
+    return step, rank, size, hvd
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.timeline_allreduces:
+        os.environ["HOROVOD_TIMELINE"] = "DYNAMIC"
+    step, rank, size, hvd = (torch_setup if args.framework == "torch" else keras_setup)(args)
+    log = print if rank == 0 else (lambda *a, **k: None)
+    k = args.backward_passes_per_step
+    samples_per_step = args.batch_size * k
+    log(f"Model: {args.model}, framework: {args.framework}, mode: {args.mode}")
+    log(f"Batch size: {args.batch_size} (x k={k}), number of workers: {size}")
+    timeit.timeit(step, number=args.num_warmup_batches)
+    timeline = f"/tmp/hvdtrain-bench-timeline-{os.getpid()}.json"
+    count = args.timeline_allreduces and hvd is not None
+    if count:
+        hvd.start_timeline(timeline, mark_cycles=False)
+    img_secs = []
+    for i in range(args.num_iters):
+        seconds = timeit.timeit(step, number=args.num_batches_per_iter)
+        img_sec = samples_per_step * args.num_batches_per_iter / seconds
+        log(f"Iter #{i}: {img_sec:.1f} img/sec per worker")
+        img_secs.append(img_sec)
+    allreduces = None
+    if count:
+        hvd.stop_timeline()
+        if rank == 0:
+            from hvdtrain.timeline import count_ops, load_events
+            allreduces = count_ops(load_events(timeline))
+            os.unlink(timeline)
+    mean, conf = float(np.mean(img_secs)), float(1.96 * np.std(img_secs))
+    log(f"Img/sec per worker: {mean:.1f} +-{conf:.1f}")
+    log(f"Total img/sec on {size} worker(s): {size * mean:.1f} +-{size * conf:.1f}")
+    samples_timed = samples_per_step * args.num_batches_per_iter * args.num_iters * size
+    result = {"framework": args.framework, "model": args.model, "mode": args.mode, "size": size,
+              "batch_size": args.batch_size, "backward_passes_per_step": k,
+              "img_sec_per_worker": mean, "img_sec_per_worker_conf": conf,
+              "total_img_sec": size * mean, "iters": img_secs,
+              "allreduces": allreduces,
+              "allreduces_per_sample": (allreduces / samples_timed) if allreduces else None,
+              "threads": _threads(args.framework)}
+    log("JSON " + json.dumps(result))
+    return result
+
+
+def _threads(framework: str) -> int:
+    if framework == "torch":
+        import torch
+        return torch.get_num_threads()
+    import tensorflow as tf
+    return tf.config.threading.get_intra_op_parallelism_threads()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Every benchmark script runs once in a tiny configuration (seconds), so none can silently rot,
+and the reference ring all-reduce is checked against MPI_Allreduce."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jobs import horovodrun, job_env, run
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+TINY = ["--num-warmup-batches", "1", "--num-batches-per-iter", "2", "--num-iters", "2"]
+
+
+def bench(tmp_path, script, *args):
+    env = job_env()
+    env["HVDTRAIN_BENCH_RESULTS"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, str(BENCH / script), *args], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    name = script.removesuffix(".py")
+    assert (tmp_path / f"{name}.png").stat().st_size > 1000
+    return json.loads((tmp_path / f"{name}.json").read_text()), proc.stdout
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_reference_ring_matches_mpi_allreduce(np_):
+    proc = run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np_),
+                sys.executable, str(BENCH / "ring.py")])
+    assert f"OK ring_allreduce matches MPI_Allreduce on {np_} ranks" in proc.stdout
+
+
+@pytest.mark.parametrize("framework", ["torch", "keras"])
+def test_synthetic_prints_horovods_format(framework):
+    proc = run(horovodrun(2, sys.executable, str(BENCH / "synthetic.py"), "--framework",
+                          framework, *TINY))
+    out = proc.stdout
+    assert "Iter #0:" in out and "img/sec per worker" in out
+    assert "Img/sec per worker:" in out and "Total img/sec on 2 worker(s):" in out
+    result = json.loads(out.split("JSON ", 1)[1].splitlines()[0])
+    assert result["size"] == 2 and result["total_img_sec"] > 0 and len(result["iters"]) == 2
+
+
+def test_scaling_tiny(tmp_path):
+    data, out = bench(tmp_path, "scaling.py", "--frameworks", "torch", "--nps", "1,2",
+                      "--repeats", "1", "--warmup", "1", "--batches", "2", "--iters", "1")
+    rows = data["results"]
+    assert [r["np"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["efficiency"] == pytest.approx(r["total_img_sec"] / (r["np"] * r["single_img_sec"]))
+    assert "efficiency" in out
+
+
+def test_allreduce_tiny(tmp_path):
+    data, out = bench(tmp_path, "allreduce.py", "--min-bytes", "4096", "--max-bytes", "16384",
+                      "--iters", "3", "--warmup", "1")
+    assert set(data["seconds"]) == {"horovod-mpi", "horovod-gloo", "mpi4py", "torch-gloo", "ring"}
+    for impl, per_size in data["busbw_bytes_per_s"].items():
+        for size, busbw in per_size.items():
+            t = data["seconds"][impl][size]
+            assert busbw == pytest.approx(2 * (2 - 1) / 2 * int(size) / t)
+    assert "alpha (us)" in out
+
+
+def test_accumulation_tiny_counts_a_quarter_of_the_allreduces(tmp_path):
+    data, _ = bench(tmp_path, "accumulation.py", "--ks", "1,4", "--repeats", "1", "--batches",
+                    "2", "--iters", "1", "--warmup", "1")
+    k1, k4 = data["results"]
+    assert k1["allreduces"] > 0
+    assert k4["allreduce_ratio"] == pytest.approx(0.25)
+
+
+def test_compare_tiny(tmp_path):
+    data, out = bench(tmp_path, "compare.py", "--repeats", "1", "--batches", "2", "--iters", "1",
+                      "--warmup", "1")
+    assert set(data["ratios"]) == {"hvdtrain / DDP", "hvdtrain / plain Horovod (defaults)",
+                                   "hvdtrain / plain Horovod (tuned launcher)"}
+    assert all(v > 0 for v in data["medians"].values())
