@@ -10,7 +10,7 @@ Run::
     .venv/bin/python benchmarks/allreduce.py [--min-bytes 4096] [--max-bytes 67108864] [--readme]
 
 One job per implementation measures every size (median of ``--iters`` timed calls after
-``--warmup``), rank 0 prints a ``JSON`` line; this driver tabulates, fits and plots.
+``--warmup``) and rank 0 writes the timings as JSON; this driver tabulates, fits and plots.
 """
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ def iters_for(nbytes: int, iters: int) -> int:
     return max(3, min(iters, int(iters * (1 << 20) / max(nbytes, 1)) or 3))
 
 
-def worker(impl: str, byte_sizes: list[int], iters: int, warmup: int) -> None:
-    """Time one implementation for every size; rank 0 prints ``JSON {size: seconds}``."""
+def worker(impl: str, byte_sizes: list[int], iters: int, warmup: int, json_out: str) -> None:
+    """Time one implementation for every size; rank 0 writes ``{size: seconds}`` to json_out."""
     if impl.startswith("horovod"):
         import horovod.torch as hvd
         import torch
@@ -102,7 +102,8 @@ def worker(impl: str, byte_sizes: list[int], iters: int, warmup: int) -> None:
             times.append(time.perf_counter() - start)
         result[nbytes] = float(np.median(times))
     if rank == 0:
-        print("JSON " + json.dumps({"impl": impl, "size": size, "seconds": result}), flush=True)
+        with open(json_out, "w") as f:
+            json.dump({"impl": impl, "size": size, "seconds": result}, f)
 
 
 def launch_argv(impl: str, np_: int, args) -> list[str]:
@@ -115,7 +116,7 @@ def launch_argv(impl: str, np_: int, args) -> list[str]:
     if impl == "horovod-gloo":
         return common.horovodrun(np_, me, extra=("--gloo",))
     if impl == "torch-gloo":
-        return [str(common.BIN / "torchrun"), "--standalone", f"--nproc_per_node={np_}", *me]
+        return [str(common.BIN / "torchrun"), "--standalone", f"--nproc_per_node={np_}", *me[1:]]
     return ["mpirun", "--allow-run-as-root", "-np", str(np_), "-bind-to", "none", *me]
 
 
@@ -137,10 +138,11 @@ def main(argv=None) -> dict:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--readme", action="store_true")
+    p.add_argument("--json-out", help="worker: rank 0 writes its timings here")
     args = p.parse_args(argv)
     byte_sizes = sizes(args.min_bytes, args.max_bytes)
     if args.worker:
-        worker(args.worker, byte_sizes, args.iters, args.warmup)
+        worker(args.worker, byte_sizes, args.iters, args.warmup, args.json_out)
         return {}
     import common
     env = common.base_env(True)

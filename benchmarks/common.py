@@ -73,17 +73,25 @@ def horovodrun(np_: int, command: list[str], extra: tuple[str, ...] = ()) -> lis
 
 
 def run_json(argv: list[str], env: dict, timeout: int = 900) -> dict:
-    """Run a job and return the dict on its last ``JSON {...}`` line (rank 0's).
+    """Run a job whose command (the end of ``argv``) accepts ``--json-out PATH``, and return the
+    dict its rank 0 wrote there. (Parsing stdout is unreliable: launchers tag and may split long
+    lines.)
 
     Raises:
-        RuntimeError: the job failed or printed no JSON line; the message holds its output tail.
+        RuntimeError: the job failed or wrote nothing; the message holds its output tail.
     """
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
-    lines = [line.split("JSON ", 1)[1] for line in proc.stdout.splitlines() if "JSON {" in line]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}):\n"
-                           f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1])
+    fd, path = tempfile.mkstemp(prefix="hvdtrain-bench-", suffix=".json")
+    os.close(fd)
+    try:
+        proc = subprocess.run([*argv, "--json-out", path], env=env, capture_output=True,
+                              text=True, timeout=timeout)
+        text = Path(path).read_text()
+        if proc.returncode != 0 or not text.strip():
+            raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}):\n"
+                               f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        return json.loads(text)
+    finally:
+        os.unlink(path)
 
 
 def median(values) -> float:

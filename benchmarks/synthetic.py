@@ -36,6 +36,7 @@ def parse_args(argv=None):
     p.add_argument("--num-warmup-batches", type=int, default=10)
     p.add_argument("--num-batches-per-iter", type=int, default=10)
     p.add_argument("--num-iters", type=int, default=5)
+    p.add_argument("--json-out", help="rank 0 writes the result JSON here")
     p.add_argument("--timeline-allreduces", action="store_true",
                    help="count gradient all-reduces in Horovod's timeline over the timed batches")
     return p.parse_args(argv)
@@ -184,6 +185,9 @@ def main(argv=None) -> dict:
               "allreduces_per_sample": (allreduces / samples_timed) if allreduces else None,
               "threads": _threads(args.framework)}
     log("JSON " + json.dumps(result))
+    if rank == 0 and args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(result, f)
     return result
 
 
