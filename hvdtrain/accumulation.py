@@ -91,3 +91,20 @@ def micro_batches(batches: Iterable[Any], backward_passes_per_step: int,
         for i, (batch, n) in enumerate(zip(group, counts)):
             yield batch, MicroBatch(index=i, group_size=len(group), samples=n, group_samples=total,
                                     loss_scale=n / total, sync=(i == len(group) - 1))
+
+
+def check_distribute_args(backward_passes_per_step, compression: str, op: str,
+                          compressions, ops) -> None:
+    """The argument checks both adapters' ``distribute`` share.
+
+    Raises:
+        ValueError: k is not a whole number >= 1, or ``compression``/``op`` is not offered.
+    """
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise ValueError("backward_passes_per_step must be a whole number >= 1, got "
+                         f"{backward_passes_per_step!r}")
+    if compression not in compressions:
+        raise ValueError(f"compression must be one of {', '.join(compressions)}; "
+                         f"got {compression!r}")
+    if op not in ops:
+        raise ValueError(f"op must be one of {', '.join(ops)} here; got {op!r}")

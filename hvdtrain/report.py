@@ -42,6 +42,34 @@ class EpochMetrics:
     samples_per_sec: float
 
 
+def run_header(framework: str, cfg, info, train_samples: int, test_samples: int,
+               steps_per_epoch: int, versions: dict) -> dict:
+    """The run-level fields of ``metrics.json`` (identical for both trainers), and log them once.
+
+    Args:
+        framework: ``"torch"`` or ``"keras"``.
+        cfg: the :class:`~hvdtrain.config.TrainConfig`.
+        info: this rank's :class:`~hvdtrain.runtime.RankInfo`.
+        train_samples, test_samples: split sizes.
+        steps_per_epoch: optimizer steps per epoch.
+        versions: framework and Horovod versions.
+    """
+    from hvdtrain import schedule
+    k = cfg.backward_passes_per_step
+    scaled = schedule.scaled_lr(cfg.lr, cfg.lr_scaling, info.size, k)
+    log.info("%d ranks on %d host(s) x local batch %d x k=%d = global batch %d; lr %g -> %g (%s, "
+             "warmup %g epochs); %d optimizer steps per epoch; %d threads per rank", info.size,
+             info.hosts, cfg.batch_size, k, cfg.global_batch(info.size), cfg.lr, scaled,
+             cfg.lr_scaling, cfg.warmup_epochs, steps_per_epoch, info.threads)
+    return {"framework": framework, "dataset": cfg.dataset, "size": info.size,
+            "hosts": info.hosts, "local_batch": cfg.batch_size, "backward_passes_per_step": k,
+            "global_batch": cfg.global_batch(info.size), "base_lr": cfg.lr, "scaled_lr": scaled,
+            "lr_scaling": cfg.lr_scaling, "warmup_epochs": cfg.warmup_epochs,
+            "steps_per_epoch": steps_per_epoch, "train_samples": train_samples,
+            "test_samples": test_samples, "threads_per_rank": info.threads,
+            "config": cfg.to_dict(), "versions": dict(versions)}
+
+
 def setup_logging(rank: int) -> None:
     """INFO logging on rank 0, warnings only on the other ranks (so the job prints once)."""
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,

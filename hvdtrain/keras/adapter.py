@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvdtrain import runtime, schedule
+from hvdtrain.accumulation import check_distribute_args
 
 _COMPRESSIONS = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
 _OPS = {"average": hvd.Average}
@@ -137,14 +138,7 @@ def distribute(model: tf.keras.Model, optimizer: tf.keras.optimizers.Optimizer, 
             learning-rate schedule object as the optimizer's rate (use a float and
             :func:`warmup`).
     """
-    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-        raise ValueError("backward_passes_per_step must be a whole number >= 1, got "
-                         f"{backward_passes_per_step!r}")
-    if compression not in _COMPRESSIONS:
-        raise ValueError(f"compression must be one of {', '.join(_COMPRESSIONS)}; got {compression!r}")
-    if op not in _OPS:
-        raise ValueError(f"op must be 'average' for Keras (Horovod's Keras optimizer supports no "
-                         f"other); got {op!r}")
+    check_distribute_args(backward_passes_per_step, compression, op, _COMPRESSIONS, _OPS)
     _require_built(model)
     if isinstance(optimizer._learning_rate, tf.keras.optimizers.schedules.LearningRateSchedule):
         raise ValueError("the optimizer's learning_rate is a schedule object; give it a float and "

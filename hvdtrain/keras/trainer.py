@@ -15,12 +15,12 @@ import horovod
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain import data, schedule
+from hvdtrain import data
 from hvdtrain.config import TrainConfig
 from hvdtrain.files import atomic_path
 from hvdtrain.keras import adapter
 from hvdtrain.keras.models import build_model
-from hvdtrain.report import EpochMetrics, RunReport, setup_logging
+from hvdtrain.report import EpochMetrics, RunReport, run_header, setup_logging
 
 CHECKPOINT_FILE = "checkpoint.weights.h5"
 log = logging.getLogger("hvdtrain")
@@ -110,21 +110,9 @@ def fit(cfg: TrainConfig) -> dict:
                   loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     out = Path(cfg.output_dir)
-    report = RunReport(out, {
-        "framework": "keras", "dataset": cfg.dataset, "size": info.size,
-        "local_batch": cfg.batch_size, "backward_passes_per_step": k,
-        "global_batch": cfg.global_batch(info.size), "base_lr": cfg.lr,
-        "scaled_lr": schedule.scaled_lr(cfg.lr, cfg.lr_scaling, info.size, k),
-        "lr_scaling": cfg.lr_scaling, "warmup_epochs": cfg.warmup_epochs,
-        "train_samples": len(x_train), "test_samples": len(x_test),
-        "threads_per_rank": info.threads, "hosts": info.hosts, "config": cfg.to_dict(),
-        "versions": {"tensorflow": tf.__version__, "horovod": horovod.__version__}},
-        is_root=info.is_root)
-    log.info("%d ranks x local batch %d x k=%d = global batch %d; lr %g -> %g (%s, warmup %g "
-             "epochs); %d optimizer steps per epoch; %d threads per rank", info.size,
-             cfg.batch_size, k, cfg.global_batch(info.size), cfg.lr,
-             schedule.scaled_lr(cfg.lr, cfg.lr_scaling, info.size, k), cfg.lr_scaling,
-             cfg.warmup_epochs, steps_per_epoch, info.threads)
+    header = run_header("keras", cfg, info, len(x_train), len(x_test), steps_per_epoch,
+                        {"tensorflow": tf.__version__, "horovod": horovod.__version__})
+    report = RunReport(out, header, is_root=info.is_root)
     callbacks = adapter.callbacks(optimizer, warmup_epochs=cfg.warmup_epochs,
                                   steps_per_epoch=steps_per_epoch)
     state = {"info": info, "x_test": x_test, "y_test": split.y_test, "out": out, "k": k,

@@ -22,6 +22,7 @@ import horovod.torch as hvd
 import torch
 
 from hvdtrain import runtime, schedule
+from hvdtrain.accumulation import check_distribute_args
 
 _COMPRESSIONS = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
 _OPS = {"average": hvd.Average, "adasum": hvd.Adasum}
@@ -128,13 +129,7 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         ValueError: an unknown ``lr_scaling``/``compression``/``op``, k < 1, or an optimizer that
             does not hold exactly the model's parameters (the message says what to change).
     """
-    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-        raise ValueError("backward_passes_per_step must be a whole number >= 1, got "
-                         f"{backward_passes_per_step!r}")
-    if compression not in _COMPRESSIONS:
-        raise ValueError(f"compression must be one of {', '.join(_COMPRESSIONS)}; got {compression!r}")
-    if op not in _OPS:
-        raise ValueError(f"op must be one of {', '.join(_OPS)}; got {op!r}")
+    check_distribute_args(backward_passes_per_step, compression, op, _COMPRESSIONS, _OPS)
     factor = schedule.scale_factor(lr_scaling, hvd.size(), backward_passes_per_step)
     model_params = {id(p) for p in model.parameters()}
     opt_params = {id(p) for g in optimizer.param_groups for p in g["params"]}

@@ -22,7 +22,7 @@ from hvdtrain import data, schedule
 from hvdtrain.accumulation import micro_batches
 from hvdtrain.config import TrainConfig
 from hvdtrain.files import atomic_open
-from hvdtrain.report import EpochMetrics, RunReport, setup_logging
+from hvdtrain.report import EpochMetrics, RunReport, run_header, setup_logging
 from hvdtrain.torch import adapter
 from hvdtrain.torch.models import build_model
 
@@ -87,20 +87,9 @@ def fit(cfg: TrainConfig) -> dict:
     scheduler = adapter.warmup(optimizer, warmup_epochs=cfg.warmup_epochs,
                                steps_per_epoch=steps_per_epoch)
     out = Path(cfg.output_dir)
-    report = RunReport(out, {
-        "framework": "torch", "dataset": cfg.dataset, "size": info.size,
-        "local_batch": cfg.batch_size, "backward_passes_per_step": k,
-        "global_batch": cfg.global_batch(info.size), "base_lr": cfg.lr,
-        "scaled_lr": schedule.scaled_lr(cfg.lr, cfg.lr_scaling, info.size, k),
-        "lr_scaling": cfg.lr_scaling, "warmup_epochs": cfg.warmup_epochs,
-        "train_samples": len(train_set), "test_samples": len(x_test),
-        "threads_per_rank": info.threads, "hosts": info.hosts, "config": cfg.to_dict(),
-        "versions": {"torch": torch.__version__, "horovod": horovod.__version__}},
-        is_root=info.is_root)
-    log.info("%d ranks x local batch %d x k=%d = global batch %d; lr %g -> %g (%s, warmup %g "
-             "epochs); %d threads per rank", info.size, cfg.batch_size, k, cfg.global_batch(info.size),
-             cfg.lr, schedule.scaled_lr(cfg.lr, cfg.lr_scaling, info.size, k), cfg.lr_scaling,
-             cfg.warmup_epochs, info.threads)
+    header = run_header("torch", cfg, info, len(train_set), len(x_test), steps_per_epoch,
+                        {"torch": torch.__version__, "horovod": horovod.__version__})
+    report = RunReport(out, header, is_root=info.is_root)
 
     for epoch in range(cfg.epochs):
         sampler.set_epoch(epoch)
