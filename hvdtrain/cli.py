@@ -128,14 +128,19 @@ def cmd_launch(args: argparse.Namespace) -> int:
               f"cores): idle MPI ranks yield ({', '.join(f'{k}={v}' for k, v in tuning.items())}"
               "); --no-tuning turns this off", file=sys.stderr)
     mca = {**tuning, **dict(kv.split("=", 1) for kv in args.mca)}
+    try:
+        knobs = hf.horovod_knobs(args.fusion_threshold_mb, args.cycle_time_ms, args.autotune)
+    except ValueError as exc:
+        return _fail(str(exc))
     if args.launcher == "horovodrun":
         argv, env = hf.horovodrun_argv(args.np, hosts, command, ssh_port=args.ssh_port,
                                        ssh_identity_file=args.ssh_identity_file,
                                        network_interfaces=args.network_interfaces,
-                                       gloo=args.gloo, mca=mca, env=dict(os.environ))
+                                       gloo=args.gloo, mca=mca, knobs=knobs,
+                                       env=dict(os.environ))
     else:
         argv, env = hf.mpirun_argv(args.np, hosts, command, env=dict(os.environ),
-                                   allow_run_as_root=os.geteuid() == 0, mca=mca)
+                                   allow_run_as_root=os.geteuid() == 0, mca=mca, knobs=knobs)
     print(shlex.join(argv), flush=True)
     if args.dry_run:
         return 0
@@ -167,6 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--gloo", action="store_true", help="horovodrun: Gloo instead of MPI")
     launch.add_argument("--mca", action="append", default=[], metavar="KEY=VALUE",
                         help="extra Open MPI parameter '-mca KEY VALUE' (repeatable)")
+    launch.add_argument("--fusion-threshold-mb", type=int,
+                        help="Horovod tensor fusion buffer size (HOROVOD_FUSION_THRESHOLD)")
+    launch.add_argument("--cycle-time-ms", type=float,
+                        help="Horovod background cycle time (HOROVOD_CYCLE_TIME)")
+    launch.add_argument("--autotune", action="store_true",
+                        help="let Horovod tune fusion and cycle time while training")
     launch.add_argument("--no-tuning", action="store_true",
                         help="do not add hvdtrain's machine-specific MPI settings")
     launch.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")

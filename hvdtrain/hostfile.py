@@ -226,16 +226,42 @@ def launch_tuning(hostfile: Hostfile, cores: int) -> dict[str, str]:
     return {}
 
 
+def horovod_knobs(fusion_threshold_mb: int | None = None, cycle_time_ms: float | None = None,
+                  autotune: bool = False) -> dict[str, str]:
+    """Horovod's performance settings as environment variables (read by ``hvd.init()``):
+    ``HOROVOD_FUSION_THRESHOLD`` (bytes; tensors are fused into buffers of up to this size
+    before an all-reduce, default 64 MiB), ``HOROVOD_CYCLE_TIME`` (ms Horovod's background thread
+    waits to batch requests), ``HOROVOD_AUTOTUNE``
+    (Bayesian search of those settings while training).
+
+    Raises:
+        ValueError: a negative threshold or a cycle time <= 0.
+    """
+    env = {}
+    if fusion_threshold_mb is not None:
+        if fusion_threshold_mb < 0:
+            raise ValueError(f"--fusion-threshold-mb must be >= 0, got {fusion_threshold_mb}")
+        env["HOROVOD_FUSION_THRESHOLD"] = str(int(fusion_threshold_mb) * 1024 * 1024)
+    if cycle_time_ms is not None:
+        if cycle_time_ms <= 0:
+            raise ValueError(f"--cycle-time-ms must be > 0, got {cycle_time_ms}")
+        env["HOROVOD_CYCLE_TIME"] = str(cycle_time_ms)
+    if autotune:
+        env["HOROVOD_AUTOTUNE"] = "1"
+    return env
+
+
 def horovodrun_argv(np_: int, hostfile: Hostfile, command: list[str], *,
                     ssh_port: int | None = None, ssh_identity_file: str | None = None,
                     network_interfaces: str | None = None, gloo: bool = False,
-                    mca: dict[str, str] | None = None,
+                    mca: dict[str, str] | None = None, knobs: dict[str, str] | None = None,
                     env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
     """``horovodrun -np N --hostfile F [options] <command>`` (``-H host:N,...`` in place of
     ``--hostfile F`` when the file is not bare ``host slots=N`` lines; see the module docstring).
 
     horovodrun forwards the whole environment itself. ``mca`` settings go in as
-    ``--mpi-args="--mca KEY VALUE ..."`` (MPI controller only).
+    ``--mpi-args="--mca KEY VALUE ..."`` (MPI controller only); ``knobs`` (from
+    :func:`horovod_knobs`) as ``--fusion-threshold-mb``, ``--cycle-time-ms``, ``--autotune``.
 
     Returns:
         ``(argv, env)``: the argv list and the environment to run it with (a copy of ``env``).
@@ -257,12 +283,23 @@ def horovodrun_argv(np_: int, hostfile: Hostfile, command: list[str], *,
         argv += ["--network-interfaces", network_interfaces]
     if mca and not gloo:
         argv.append("--mpi-args=" + " ".join(f"--mca {k} {v}" for k, v in mca.items()))
-    return argv + list(command), dict(env or {})
+    env = dict(env or {})
+    flags = {"HOROVOD_FUSION_THRESHOLD": "--fusion-threshold-mb",
+             "HOROVOD_CYCLE_TIME": "--cycle-time-ms"}
+    for name, flag in flags.items():
+        if name in (knobs or {}):
+            value = knobs[name]
+            argv += [flag, str(int(value) // 2**20) if name == "HOROVOD_FUSION_THRESHOLD"
+                     else value]
+    if (knobs or {}).get("HOROVOD_AUTOTUNE") == "1":
+        argv.append("--autotune")
+    return argv + list(command), env
 
 
 def mpirun_argv(np_: int, hostfile: Hostfile, command: list[str], *,
                 env: dict[str, str] | None = None, allow_run_as_root: bool = False,
-                mca: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+                mca: dict[str, str] | None = None,
+                knobs: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
     """``mpirun -np N --hostfile F -bind-to none -map-by slot -x PATH -x LD_LIBRARY_PATH ...
     -mca pml ob1 -mca btl ^openib <command>``, as Horovod's documentation recommends for Open MPI
     (no binding, so each rank's threads may use the cores hvdtrain gives it; ranks placed slot by
@@ -275,6 +312,7 @@ def mpirun_argv(np_: int, hostfile: Hostfile, command: list[str], *,
         env: the environment to forward (``-x NAME`` for :func:`passed_env_names`).
         allow_run_as_root: add ``--allow-run-as-root`` (needed when running as root).
         mca: extra ``-mca key value`` pairs (e.g. ``{"btl_tcp_if_include": "lo"}``).
+        knobs: Horovod settings (:func:`horovod_knobs`), added to the environment and forwarded.
 
     Returns:
         ``(argv, env)``.
@@ -284,7 +322,7 @@ def mpirun_argv(np_: int, hostfile: Hostfile, command: list[str], *,
     """
     if not command:
         raise ValueError("no command to launch; put it after '--'")
-    env = dict(env or {})
+    env = {**(env or {}), **(knobs or {})}
     argv = ["mpirun"]
     if allow_run_as_root:
         argv.append("--allow-run-as-root")

@@ -146,3 +146,19 @@ def test_launch_tuning_yields_when_ranks_fill_the_cores(tmp_path):
     assert "--mpi-args=--mca mpi_yield_when_idle 1" in argv
     argv, _ = hf.horovodrun_argv(2, h, ["x"], gloo=True, mca={"mpi_yield_when_idle": "1"})
     assert not any(a.startswith("--mpi-args") for a in argv)
+
+
+def test_horovod_knobs_reach_both_launchers(tmp_path):
+    h = read(tmp_path, "a slots=2\n")
+    knobs = hf.horovod_knobs(fusion_threshold_mb=32, cycle_time_ms=2.5, autotune=True)
+    assert knobs == {"HOROVOD_FUSION_THRESHOLD": str(32 * 2**20), "HOROVOD_CYCLE_TIME": "2.5",
+                     "HOROVOD_AUTOTUNE": "1"}
+    argv, _ = hf.horovodrun_argv(2, h, ["x"], knobs=knobs)
+    assert argv[-6:] == ["--fusion-threshold-mb", "32", "--cycle-time-ms", "2.5",
+                         "--autotune", "x"]
+    argv, env = hf.mpirun_argv(2, h, ["x"], env={"PATH": "/bin"}, knobs=knobs)
+    assert env["HOROVOD_CYCLE_TIME"] == "2.5"
+    for name in knobs:
+        assert argv[argv.index(name) - 1] == "-x"
+    with pytest.raises(ValueError, match="--cycle-time-ms must be > 0"):
+        hf.horovod_knobs(cycle_time_ms=0)
