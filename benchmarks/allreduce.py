@@ -22,7 +22,10 @@ import time
 
 import numpy as np
 
-IMPLS = ("horovod-mpi", "horovod-gloo", "mpi4py", "torch-gloo", "ring")
+IMPLS = ("horovod-mpi", "horovod-mpi-cycle0.1", "horovod-gloo", "mpi4py", "torch-gloo", "ring")
+# Horovod's background thread batches requests every HOROVOD_CYCLE_TIME ms; the cycle0.1 variant
+# sets it to 0.1 ms (hvdtrain launch --cycle-time-ms 0.1) to show what that latency costs.
+CYCLE_TIME = {"horovod-mpi-cycle0.1": "0.1"}
 
 
 def sizes(lo: int, hi: int) -> list[int]:
@@ -111,7 +114,7 @@ def launch_argv(impl: str, np_: int, args) -> list[str]:
     me = [sys.executable, os.path.abspath(__file__), "--worker", impl, "--min-bytes",
           str(args.min_bytes), "--max-bytes", str(args.max_bytes), "--iters", str(args.iters),
           "--warmup", str(args.warmup)]
-    if impl == "horovod-mpi":
+    if impl.startswith("horovod-mpi"):
         return common.horovodrun(np_, me)
     if impl == "horovod-gloo":
         return common.horovodrun(np_, me, extra=("--gloo",))
@@ -150,7 +153,10 @@ def main(argv=None) -> dict:
     n = args.np
     results = {}
     for impl in args.impls.split(","):
-        out = common.run_json(launch_argv(impl, n, args), env)
+        impl_env = dict(env)
+        if impl in CYCLE_TIME:
+            impl_env["HOROVOD_CYCLE_TIME"] = CYCLE_TIME[impl]
+        out = common.run_json(launch_argv(impl, n, args), impl_env)
         results[impl] = {int(k): v for k, v in out["seconds"].items()}
     factor = 2 * (n - 1) / n
     headers = ["size"] + [f"{i} busbw GB/s" for i in results]
@@ -161,16 +167,18 @@ def main(argv=None) -> dict:
     fits = {i: fit_alpha_beta(byte_sizes, [results[i][s] for s in byte_sizes], n)
             for i in results}
     ratio_rows = []
-    if "horovod-mpi" in results and "mpi4py" in results:
+    variants = [i for i in results if i.startswith("horovod-mpi")]
+    if variants and "mpi4py" in results:
         for s in byte_sizes:
             if s >= (1 << 20):
-                ratio_rows.append([f"{s >> 20} MiB", results["mpi4py"][s] / results["horovod-mpi"][s]])
+                ratio_rows.append([f"{s >> 20} MiB"] + [results["mpi4py"][s] / results[v][s]
+                                                         for v in variants])
     text = common.table(headers, rows)
     text += "\n\n" + common.table(["implementation", "alpha (us)", "B (GB/s)"],
                                   [[i, a * 1e6, b / 1e9] for i, (a, b) in fits.items()])
     if ratio_rows:
-        text += "\n\n" + common.table(["size", "busbw Horovod(MPI) / raw MPI_Allreduce"],
-                                      ratio_rows)
+        text += "\n\n" + common.table(["size"] + [f"busbw {v} / raw MPI_Allreduce"
+                                                for v in variants], ratio_rows)
     print(text)
     payload = {"args": vars(args), "np": n,
                "seconds": {i: {str(k): v for k, v in r.items()} for i, r in results.items()},

@@ -1,7 +1,12 @@
 """Scaling efficiency: synthetic.py at np = 1, 2 (and 4, oversubscribed on a 2-core machine) for
 both frameworks, against a plain single-process loop with no Horovod at all.
 
-    efficiency(N) = T(N) / (N x T_single)     (T: total img/sec)
+    efficiency(N) = T(N) / (N x T_single(threads = cores // N))     (T: total img/sec)
+
+All workers share one machine here, so the baseline is a single process with the resources one
+worker gets (hvdtrain's thread budget, cores // N): N such processes would be ideal scaling, and
+the efficiency measures what Horovod and hvdtrain cost. The speed-up over one process using all
+cores is reported beside it.
 
 Run::
 
@@ -15,11 +20,12 @@ import sys
 import common
 
 
-def synthetic(framework: str, mode: str, args) -> list[str]:
+def synthetic(framework: str, mode: str, args, threads: int | None = None) -> list[str]:
     return [sys.executable, str(common.HERE / "synthetic.py"), "--framework", framework,
             "--model", args.model, "--mode", mode, "--batch-size", str(args.batch_size),
             "--num-warmup-batches", str(args.warmup), "--num-batches-per-iter",
-            str(args.batches), "--num-iters", str(args.iters)]
+            str(args.batches), "--num-iters", str(args.iters),
+            *(["--threads", str(threads)] if threads else [])]
 
 
 def main(argv=None) -> dict:
@@ -36,22 +42,32 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     cores = common.machine()["cores"]
     rows, results = [], []
+    nps = [int(n) for n in args.nps.split(",")]
     for framework in args.frameworks.split(","):
-        single = common.median(common.run_json(synthetic(framework, "single", args),
-                                               common.base_env(False))["total_img_sec"]
-                               for _ in range(args.repeats))
-        for np_ in (int(n) for n in args.nps.split(",")):
+        singles = {}
+        for threads in sorted({max(1, cores // n) for n in nps} | {cores}):
+            singles[threads] = common.median(
+                common.run_json(synthetic(framework, "single", args, threads),
+                                common.base_env(False))["total_img_sec"]
+                for _ in range(args.repeats))
+        for np_ in nps:
             total = common.median(
                 common.run_json(common.hvdtrain_launch(np_, synthetic(framework, "hvdtrain", args)),
                                 common.base_env(False))["total_img_sec"]
                 for _ in range(args.repeats))
-            efficiency = total / (np_ * single)
+            threads = max(1, cores // np_)
+            efficiency = total / (np_ * singles[threads])
+            speedup = total / singles[cores]
             note = "oversubscribed" if np_ > cores else ""
             results.append({"framework": framework, "np": np_, "total_img_sec": total,
-                            "single_img_sec": single, "efficiency": efficiency, "note": note})
-            rows.append([framework, np_, single, total, efficiency, note])
-    headers = ["framework", "np", "single process img/s", "hvdtrain total img/s",
-               "efficiency T(N)/(N x T1)", "note"]
+                            "single_img_sec": singles[threads], "single_threads": threads,
+                            "single_all_cores_img_sec": singles[cores],
+                            "efficiency": efficiency, "speedup_vs_all_cores": speedup,
+                            "note": note})
+            rows.append([framework, np_, f"{singles[threads]:.1f} ({threads} thr)", total,
+                         efficiency, speedup, note])
+    headers = ["framework", "np", "single process img/s (threads)", "hvdtrain total img/s",
+               "efficiency T(N)/(N x T1)", "speed-up vs 1 process on all cores", "note"]
     text = common.table(headers, rows)
     print(text)
     path = common.save("scaling", {"args": vars(args), "results": results})

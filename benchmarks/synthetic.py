@@ -37,6 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--num-batches-per-iter", type=int, default=10)
     p.add_argument("--num-iters", type=int, default=5)
     p.add_argument("--json-out", help="rank 0 writes the result JSON here")
+    p.add_argument("--threads", type=int, help="--mode single: intra-op threads (default: all)")
     p.add_argument("--timeline-allreduces", action="store_true",
                    help="count gradient all-reduces in Horovod's timeline over the timed batches")
     return p.parse_args(argv)
@@ -52,6 +53,8 @@ def torch_setup(args):
     k = args.backward_passes_per_step
     if args.mode == "single":
         rank, size, hvd = 0, 1, None
+        if args.threads:
+            torch.set_num_threads(args.threads)
         torch.manual_seed(0)
         model = bench_model(args.model, image_size=args.image_size)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -107,6 +110,9 @@ def keras_setup(args):
     k = args.backward_passes_per_step
     if args.mode == "single":
         rank, size, hvd = 0, 1, None
+        if args.threads:
+            tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+            tf.config.threading.set_inter_op_parallelism_threads(1)
         tf.keras.utils.set_random_seed(0)
         model = bench_model(args.model, image_size=args.image_size)
         optimizer = tf.keras.optimizers.SGD(0.01, momentum=0.9)

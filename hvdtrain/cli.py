@@ -52,6 +52,12 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--synthetic-samples", type=int, default=d.synthetic_samples)
     parser.add_argument("--no-progress", dest="progress", action="store_false",
                         help="no progress bar on rank 0")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from --output-dir's checkpoint (torch)")
+    parser.add_argument("--on-nonfinite", default=d.on_nonfinite,
+                        help="skip (the step, on all ranks) or stop when a loss is NaN/Inf")
+    parser.add_argument("--fault-nan-at", default=d.fault_nan_at, metavar="RANK:STEP",
+                        help="fault drill: make RANK's loss NaN at optimizer STEP")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -122,11 +128,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
         hf.check_np(hosts, args.np)
     except hf.HostfileError as exc:
         return _fail(str(exc))
-    tuning = {} if args.no_tuning else hf.launch_tuning(hosts, runtime.available_cores())
-    if tuning and runtime.launcher_rank() == 0:
-        print(f"hvdtrain: a host runs >= {runtime.available_cores()} ranks (this machine's "
-              f"cores): idle MPI ranks yield ({', '.join(f'{k}={v}' for k, v in tuning.items())}"
-              "); --no-tuning turns this off", file=sys.stderr)
+    tuning = {} if args.no_tuning else hf.launch_tuning()
+    if tuning:
+        print(f"hvdtrain: ranks use every core they share, so idle MPI ranks yield "
+              f"({', '.join(f'{k}={v}' for k, v in tuning.items())}); --no-tuning turns this off",
+              file=sys.stderr)
     mca = {**tuning, **dict(kv.split("=", 1) for kv in args.mca)}
     try:
         knobs = hf.horovod_knobs(args.fusion_threshold_mb, args.cycle_time_ms, args.autotune)

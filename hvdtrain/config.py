@@ -43,6 +43,11 @@ class TrainConfig:
         test_fraction: held-out share of the dataset, in (0, 1).
         synthetic_samples: size of the synthetic dataset.
         progress: show a progress bar on rank 0.
+        resume: continue from ``output_dir``'s checkpoint (PyTorch).
+        on_nonfinite: what to do when any rank's loss is NaN/Inf: ``"skip"`` the optimizer step
+            on every rank, or ``"stop"`` the job (PyTorch).
+        fault_nan_at: fault injection for drills and tests, ``"RANK:STEP"``: that rank's loss
+            becomes NaN at that optimizer step (0-based); empty for none.
     """
     framework: str = "torch"
     dataset: str = "digits"
@@ -60,10 +65,27 @@ class TrainConfig:
     test_fraction: float = 0.2
     synthetic_samples: int = 2048
     progress: bool = True
+    resume: bool = False
+    on_nonfinite: str = "skip"
+    fault_nan_at: str = ""
 
     def global_batch(self, size: int) -> int:
         """Samples per optimizer step across all ranks: ``batch_size x k x size``."""
         return self.batch_size * self.backward_passes_per_step * size
+
+    def fault(self) -> tuple[int, int] | None:
+        """``(rank, step)`` parsed from ``fault_nan_at``, or None.
+
+        Raises:
+            ConfigError: not of the form ``RANK:STEP`` with whole numbers.
+        """
+        if not self.fault_nan_at:
+            return None
+        rank, _, step = self.fault_nan_at.partition(":")
+        if not (rank.isdigit() and step.isdigit()):
+            raise ConfigError(f"--fault-nan-at must be RANK:STEP, e.g. 1:5; got "
+                              f"{self.fault_nan_at!r}")
+        return int(rank), int(step)
 
     def to_dict(self) -> dict:
         """A JSON-ready copy of the options."""
@@ -89,6 +111,12 @@ class TrainConfig:
                             ("--synthetic-samples", self.synthetic_samples)):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{flag} must be a whole number >= 1; got {value!r}")
+        choice("--on-nonfinite", self.on_nonfinite, ("skip", "stop"))
+        if self.framework == "keras" and (self.resume or self.fault_nan_at):
+            raise ConfigError("--resume and --fault-nan-at are available with --framework torch "
+                              "only in this version")
+        if self.fault_nan_at:
+            self.fault()
         if not self.lr > 0:
             raise ConfigError(f"--lr must be > 0; got {self.lr!r}")
         if not 0 <= self.momentum < 1:

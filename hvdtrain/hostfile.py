@@ -211,19 +211,20 @@ def passed_env_names(env: dict[str, str], names: tuple[str, ...] = PASS_THROUGH)
     return sorted(chosen)
 
 
-def launch_tuning(hostfile: Hostfile, cores: int) -> dict[str, str]:
-    """Open MPI settings hvdtrain picks for the machine: ``mpi_yield_when_idle=1`` when a host
-    runs at least as many ranks as this machine has cores. Open MPI ranks busy-poll while they
-    wait; with no spare core that polling steals compute from the other ranks (measured on a
-    2-core machine: horovodrun's defaults ran a CNN at ~0.65x PyTorch DDP's throughput at np=2,
-    and with this setting at ~1.0x; see benchmarks/README.md).
+def launch_tuning() -> dict[str, str]:
+    """Open MPI settings hvdtrain adds to every launch: ``mpi_yield_when_idle=1``.
+
+    Open MPI ranks (and Horovod's background thread inside MPI calls) busy-poll while they wait.
+    hvdtrain gives each rank's compute threads all the cores it shares
+    (``runtime.thread_budget``), so no core is spare for polling, and the polling steals compute.
+    Measured on a 2-core machine (benchmarks/README.md): a CNN at np=2 ran at 0.66x the
+    throughput of the same loop with this setting (and 0.7x of PyTorch DDP); even at np=1 it lost
+    a third. ``hvdtrain launch --no-tuning`` leaves Open MPI's default.
 
     Returns:
-        ``{mca name: value}``, empty when there are spare cores.
+        ``{mca name: value}``.
     """
-    if max(h.slots for h in hostfile.hosts) >= cores:
-        return {"mpi_yield_when_idle": "1"}
-    return {}
+    return {"mpi_yield_when_idle": "1"}
 
 
 def horovod_knobs(fusion_threshold_mb: int | None = None, cycle_time_ms: float | None = None,

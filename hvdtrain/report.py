@@ -97,9 +97,13 @@ class RunReport:
         self.epochs.append(metrics)
         if not self.is_root:
             return
+        self.write()
         log.info("epoch %d: train loss %.4f acc %.4f | test loss %.4f acc %.4f | lr %.5f | "
                  "%.0f samples/s", metrics.epoch, metrics.train_loss, metrics.train_accuracy,
                  metrics.test_loss, metrics.test_accuracy, metrics.lr, metrics.samples_per_sec)
+
+    def write(self) -> None:
+        """Rewrite ``metrics.json`` atomically."""
         write_json(self.path, self.to_dict())
 
     def to_dict(self) -> dict:

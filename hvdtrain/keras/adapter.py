@@ -74,6 +74,19 @@ def allreduce_sums(values: dict[str, float], name: str = "hvdtrain.metrics") -> 
     return dict(zip(keys, summed.numpy().tolist()))
 
 
+def ranks_where(flag: bool, name: str = "hvdtrain.flag") -> list[int]:
+    """The ranks on which ``flag`` is true, known to every rank after one all-reduce (a vector of
+    ``size`` numbers). Every rank must call it at the same point.
+
+    Returns:
+        Sorted ranks (empty when the flag is false everywhere).
+    """
+    values = {f"{r:08d}": 0.0 for r in range(hvd.size())}
+    values[f"{hvd.rank():08d}"] = float(bool(flag))
+    summed = allreduce_sums(values, name=name)
+    return [int(r) for r, v in summed.items() if v > 0]
+
+
 def _require_built(model: tf.keras.Model) -> None:
     if not model.built:
         raise ValueError("the model has no weights yet: build it first, e.g. "

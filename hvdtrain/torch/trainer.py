@@ -8,6 +8,7 @@ Launch::
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -21,22 +22,45 @@ from tqdm import tqdm
 from hvdtrain import data, schedule
 from hvdtrain.accumulation import micro_batches
 from hvdtrain.config import TrainConfig
-from hvdtrain.files import atomic_open
 from hvdtrain.report import EpochMetrics, RunReport, run_header, setup_logging
-from hvdtrain.torch import adapter
+from hvdtrain.torch import adapter, checkpoint
 from hvdtrain.torch.models import build_model
 
-CHECKPOINT_FILE = "checkpoint.pt"
 log = logging.getLogger("hvdtrain")
 
 
-def save_checkpoint(path: str | Path, payload: dict) -> None:
-    """Write ``payload`` with ``torch.save`` atomically (temp file, fsync, rename): a crash
-    mid-write leaves the previous checkpoint intact. Call on rank 0 only. The payload holds only
-    tensors, numbers, strings, lists and dicts, so it loads with ``torch.load(weights_only=True)``.
+class NonFiniteLossError(RuntimeError):
+    """A loss was NaN/Inf on some rank and ``--on-nonfinite stop`` was chosen."""
+
+
+def _resume(cfg: TrainConfig, info, model, optimizer) -> dict | None:
+    """On rank 0, load the checkpoint into ``model``/``optimizer`` (before :func:`distribute`
+    broadcasts them) and share its metadata with every rank.
+
+    The optimizer's learning rate is reset to the base ``--lr``, so ``distribute`` scales it for
+    this run's world size (which may differ from the checkpoint's).
+
+    Raises:
+        SystemExit: no usable checkpoint (on every rank, so none waits for the others).
     """
-    with atomic_open(path, "wb") as handle:
-        torch.save(payload, handle)
+    meta = None
+    if info.is_root:
+        try:
+            payload = checkpoint.load(cfg.output_dir)
+            model.load_state_dict(payload["model"])
+            optimizer.load_state_dict(payload["optimizer"])
+            for group in optimizer.param_groups:
+                group["lr"] = cfg.lr
+                group.pop("initial_lr", None)
+                group.pop("hvdtrain_lr_scale", None)
+            checkpoint.set_rng_state(payload["rng"])
+            meta = {k: payload[k] for k in ("epoch", "step", "size", "global_batch", "metrics")}
+        except checkpoint.CheckpointError as exc:
+            meta = {"error": str(exc)}
+    meta = hvd.broadcast_object(meta, root_rank=0, name="hvdtrain.resume")
+    if "error" in meta:
+        raise SystemExit(f"hvdtrain: error: --resume: {meta['error']}")
+    return meta
 
 
 def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int, size: int,
@@ -60,8 +84,15 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int
 def fit(cfg: TrainConfig) -> dict:
     """Train ``build_model`` on ``cfg.dataset`` with ``cfg``'s options on every rank.
 
-    Rank 0 logs each epoch, shows a progress bar, and writes ``checkpoint.pt`` and
-    ``metrics.json`` to ``cfg.output_dir`` after every epoch (atomically).
+    Rank 0 logs each epoch, shows a progress bar, and writes ``checkpoint.pt`` (keeping the
+    previous one as ``checkpoint.prev.pt``) and ``metrics.json`` to ``cfg.output_dir`` after
+    every epoch, atomically. With ``cfg.resume`` it continues from that checkpoint. A NaN/Inf
+    loss on any rank skips that optimizer step on every rank, or stops the job
+    (``cfg.on_nonfinite``).
+
+    Raises:
+        NonFiniteLossError: a non-finite loss with ``on_nonfinite="stop"`` (on every rank).
+        SystemExit: ``--resume`` without a usable checkpoint.
 
     Returns:
         The run report (the content of ``metrics.json``), on every rank.
@@ -80,18 +111,32 @@ def fit(cfg: TrainConfig) -> dict:
     model = build_model(split.num_classes, split.x_train.shape[-1])
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     k = cfg.backward_passes_per_step
+    resumed = _resume(cfg, info, model, optimizer) if cfg.resume else None
     model, optimizer = adapter.distribute(model, optimizer, backward_passes_per_step=k,
                                           lr_scaling=cfg.lr_scaling, compression=cfg.compression,
                                           op=cfg.op)
     steps_per_epoch = schedule.steps_per_epoch(len(loader), k)
     scheduler = adapter.warmup(optimizer, warmup_epochs=cfg.warmup_epochs,
                                steps_per_epoch=steps_per_epoch)
+    start_epoch = resumed["epoch"] if resumed else 0
+    step = start_epoch * steps_per_epoch  # the schedule position at this run's world size
+    if step:
+        scheduler.last_epoch = step - 1
+        scheduler.step()
     out = Path(cfg.output_dir)
     header = run_header("torch", cfg, info, len(train_set), len(x_test), steps_per_epoch,
                         {"torch": torch.__version__, "horovod": horovod.__version__})
+    header["resumed_from"] = ({k2: resumed[k2] for k2 in ("epoch", "size", "global_batch")}
+                              if resumed else None)
     report = RunReport(out, header, is_root=info.is_root)
+    if resumed:
+        report.epochs = [EpochMetrics(**e) for e in resumed["metrics"]]
+        log.info("resumed after epoch %d (made with %d ranks, global batch %d)",
+                 resumed["epoch"], resumed["size"], resumed["global_batch"])
+    fault = cfg.fault()
+    skipped = 0
 
-    for epoch in range(cfg.epochs):
+    for epoch in range(start_epoch, cfg.epochs):
         sampler.set_epoch(epoch)
         model.train()
         lr = optimizer.param_groups[0]["lr"]
@@ -99,18 +144,39 @@ def fit(cfg: TrainConfig) -> dict:
         start = time.perf_counter()
         bar = tqdm(total=len(loader), desc=f"epoch {epoch + 1}/{cfg.epochs}", unit="batch",
                    disable=not (info.is_root and cfg.progress), leave=False)
+        nonfinite = False
         for (x, y), micro in micro_batches(loader, k):
             logits = model(x)
             loss = F.cross_entropy(logits, y)
+            if fault == (info.rank, step):
+                loss = loss * float("nan")
             (loss * micro.loss_scale).backward()
-            loss_sum += loss.item() * micro.samples
-            correct += (logits.argmax(1) == y).sum().item()
-            seen += micro.samples
+            value = loss.item()
+            if math.isfinite(value):
+                loss_sum += value * micro.samples
+                correct += (logits.argmax(1) == y).sum().item()
+                seen += micro.samples
+            else:
+                nonfinite = True
             if micro.sync:
-                optimizer.step()
+                optimizer.synchronize()  # gradients all-reduced; now decide on every rank alike
+                bad_ranks = adapter.ranks_where(nonfinite, name="hvdtrain.nonfinite")
+                if bad_ranks:
+                    message = (f"non-finite loss on rank(s) {bad_ranks} at optimizer step {step} "
+                               f"(epoch {epoch + 1})")
+                    if cfg.on_nonfinite == "stop":
+                        raise NonFiniteLossError(message + "; stopped (--on-nonfinite stop). "
+                                                 "Lower --lr or check the data")
+                    log.warning("%s: step skipped on all ranks", message)
+                    skipped += 1
+                else:
+                    with optimizer.skip_synchronize():
+                        optimizer.step()
+                    steps += 1
+                scheduler.step()  # the schedule follows step, taken or skipped
                 optimizer.zero_grad()
-                scheduler.step()
-                steps += 1
+                nonfinite = False
+                step += 1
             bar.update()
         bar.close()
         seconds = time.perf_counter() - start
@@ -121,11 +187,18 @@ def fit(cfg: TrainConfig) -> dict:
         metrics = EpochMetrics(epoch + 1, totals["loss"] / totals["n"],
                                totals["correct"] / totals["n"], test_loss, test_acc, lr, steps,
                                epoch_seconds, totals["n"] / epoch_seconds)
+        report.header["skipped_steps"] = skipped
         if info.is_root:
-            save_checkpoint(out / CHECKPOINT_FILE, {
+            checkpoint.save(out, {
                 "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "epoch": epoch + 1,
-                "size": info.size, "global_batch": cfg.global_batch(info.size),
-                "config": cfg.to_dict()})
+                "epoch": epoch + 1, "step": step, "size": info.size,
+                "global_batch": cfg.global_batch(info.size), "config": cfg.to_dict(),
+                "rng": checkpoint.rng_state(),
+                "metrics": [vars(e) for e in report.epochs + [metrics]]})
         report.add(metrics)
+    # Every rank must hold the same weights; a divergence would be a bug worth knowing about.
+    checksums = hvd.allgather_object(float(sum(p.double().sum() for p in model.parameters())))
+    report.header["ranks_agree"] = len(set(checksums)) == 1
+    if info.is_root:
+        report.write()
     return report.to_dict()

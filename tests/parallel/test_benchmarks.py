@@ -50,13 +50,15 @@ def test_scaling_tiny(tmp_path):
     assert [r["np"] for r in rows] == [1, 2]
     for r in rows:
         assert r["efficiency"] == pytest.approx(r["total_img_sec"] / (r["np"] * r["single_img_sec"]))
+        assert r["single_threads"] == max(1, os.cpu_count() // r["np"])
     assert "efficiency" in out
 
 
 def test_allreduce_tiny(tmp_path):
     data, out = bench(tmp_path, "allreduce.py", "--min-bytes", "4096", "--max-bytes", "16384",
                       "--iters", "3", "--warmup", "1")
-    assert set(data["seconds"]) == {"horovod-mpi", "horovod-gloo", "mpi4py", "torch-gloo", "ring"}
+    assert set(data["seconds"]) == {"horovod-mpi", "horovod-mpi-cycle0.1", "horovod-gloo",
+                                    "mpi4py", "torch-gloo", "ring"}
     for impl, per_size in data["busbw_bytes_per_s"].items():
         for size, busbw in per_size.items():
             t = data["seconds"][impl][size]

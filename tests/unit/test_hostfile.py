@@ -138,10 +138,11 @@ def test_launch_rejects_bad_input_before_launching(tmp_path):
     assert proc.returncode == 2 and "horovodrun not found on PATH" in proc.stderr
 
 
-def test_launch_tuning_yields_when_ranks_fill_the_cores(tmp_path):
+def test_launch_tuning_passes_to_both_launchers(tmp_path):
     h = read(tmp_path, "a slots=2\nb slots=1\n")
-    assert hf.launch_tuning(h, cores=2) == {"mpi_yield_when_idle": "1"}
-    assert hf.launch_tuning(h, cores=4) == {}
+    assert hf.launch_tuning() == {"mpi_yield_when_idle": "1"}
+    argv, _ = hf.mpirun_argv(2, h, ["x"], mca=hf.launch_tuning())
+    assert argv[argv.index("mpi_yield_when_idle") - 1] == "-mca"
     argv, _ = hf.horovodrun_argv(2, h, ["x"], mca={"mpi_yield_when_idle": "1"})
     assert "--mpi-args=--mca mpi_yield_when_idle 1" in argv
     argv, _ = hf.horovodrun_argv(2, h, ["x"], gloo=True, mca={"mpi_yield_when_idle": "1"})

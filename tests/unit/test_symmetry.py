@@ -9,7 +9,8 @@ TORCH_ONLY = {"micro_batches", "MicroBatch"}  # the user writes the PyTorch loop
 # accumulates inside Horovod's optimizer.
 KERAS_ONLY = {"shard_dataset", "micro_batches_per_epoch", "callbacks", "WarmupCallback"}  # tf.data
 # and fit() plumbing; PyTorch uses DistributedSampler + DataLoader and a LambdaLR.
-SHARED = {"init", "rank_info", "distribute", "broadcast_state", "warmup", "allreduce_sums"}
+SHARED = {"init", "rank_info", "distribute", "broadcast_state", "warmup", "allreduce_sums",
+          "ranks_where"}
 
 
 def test_public_names_are_symmetric():

@@ -1,0 +1,164 @@
+"""Faults under real `horovodrun` jobs: a killed rank, a killed job resumed, a corrupt checkpoint,
+a NaN on one rank, data that does not divide among the ranks."""
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from jobs import horovodrun, job_env, run
+
+CRASH_BOUND_S = 60  # the job must be gone this long after a rank dies (measured: see README)
+SLOW = ["--dataset", "synthetic", "--synthetic-samples", "20000", "--no-progress"]
+
+
+def train(out, *args, np_=2):
+    return horovodrun(np_, "hvdtrain", "train", "--output-dir", str(out), *args)
+
+
+def metrics(out):
+    return json.loads((Path(out) / "metrics.json").read_text())
+
+
+def wait_for_epoch(out, epoch, proc, timeout=300):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the job ended before the expected epoch"
+        try:
+            if len(metrics(out)["epochs"]) >= epoch:
+                return
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        time.sleep(0.05)
+    pytest.fail(f"no epoch {epoch} within {timeout} s")
+
+
+def pids_of(marker):
+    """PIDs whose command line contains ``marker``, with their OMPI rank."""
+    found = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if marker not in (d / "cmdline").read_bytes().decode(errors="replace"):
+                continue
+            env = (d / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        rank = next((e.split(b"=", 1)[1].decode() for e in env
+                     if e.startswith(b"OMPI_COMM_WORLD_RANK=")), None)
+        found[int(d.name)] = rank
+    return found
+
+
+def start(argv):
+    return subprocess.Popen(argv, env=job_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def test_killed_rank_ends_the_job_with_its_rank_named(tmp_path):
+    proc = start(train(tmp_path, "--epochs", "200", *SLOW))
+    try:
+        wait_for_epoch(tmp_path, 1, proc)
+        victim = [pid for pid, rank in pids_of(str(tmp_path)).items() if rank == "1"]
+        assert len(victim) == 1
+        os.kill(victim[0], signal.SIGKILL)
+        killed = time.monotonic()
+        output, _ = proc.communicate(timeout=CRASH_BOUND_S)
+        elapsed = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    print(f"job ended {elapsed:.1f} s after rank 1 was killed")
+    assert proc.returncode != 0
+    assert "rank 1" in output and "signal 9" in output, output[-2000:]
+    time.sleep(1)
+    assert pids_of(str(tmp_path)) == {}, "processes were left behind"
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert ckpt["epoch"] >= 1 and ckpt["size"] == 2
+
+
+def final_weights(out):
+    ckpt = torch.load(Path(out) / "checkpoint.pt", weights_only=True)
+    return torch.cat([v.reshape(-1).double() for v in ckpt["model"].values()]).numpy()
+
+
+def test_job_killed_after_epoch_2_resumes_to_the_same_weights(tmp_path):
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    run(train(whole, "--epochs", "4", *SLOW))
+    proc = start(train(broken, "--epochs", "4", *SLOW))
+    try:
+        wait_for_epoch(broken, 2, proc)
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole job, launcher included
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    time.sleep(1)
+    for pid in pids_of(str(broken)):  # mpirun's ranks may outlive a SIGKILLed launcher briefly
+        os.kill(pid, signal.SIGKILL)
+    done = len(metrics(broken)["epochs"])
+    assert 2 <= done < 4, "the kill came too late to test resuming"
+    run(train(broken, "--epochs", "4", "--resume", *SLOW))
+    resumed, reference = metrics(broken), metrics(whole)
+    assert resumed["resumed_from"]["epoch"] >= 2 and len(resumed["epochs"]) == 4
+    assert np.abs(final_weights(broken) - final_weights(whole)).max() <= 1e-6
+    for a, b in zip(resumed["epochs"], reference["epochs"]):
+        assert a["test_accuracy"] == pytest.approx(b["test_accuracy"], abs=1e-9)
+
+
+def test_resume_at_another_world_size_rescales_the_lr(tmp_path):
+    run(train(tmp_path, "--epochs", "2", "--warmup-epochs", "0", "--no-progress"))
+    run(train(tmp_path, "--epochs", "3", "--warmup-epochs", "0", "--resume", "--no-progress",
+              np_=1))
+    m = metrics(tmp_path)
+    assert m["resumed_from"] == {"epoch": 2, "size": 2, "global_batch": 32}
+    assert m["size"] == 1 and m["global_batch"] == 16
+    lrs = [e["lr"] for e in m["epochs"]]
+    assert lrs[:2] == pytest.approx([0.04, 0.04]) and lrs[2] == pytest.approx(0.02)
+
+
+def test_corrupt_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    run(train(tmp_path, "--epochs", "3", "--no-progress"))
+    ckpt = tmp_path / "checkpoint.pt"
+    ckpt.write_bytes(ckpt.read_bytes()[: ckpt.stat().st_size // 2])  # truncated
+    proc = run(train(tmp_path, "--epochs", "4", "--resume", "--no-progress"))
+    assert "checkpoint.pt is unreadable" in proc.stdout + proc.stderr
+    m = metrics(tmp_path)
+    assert m["resumed_from"]["epoch"] == 2 and len(m["epochs"]) == 4
+    # Neither file usable: a clear error, non-zero exit, nothing trained.
+    (tmp_path / "checkpoint.pt").write_bytes(b"garbage")
+    (tmp_path / "checkpoint.prev.pt").write_bytes(b"garbage")
+    proc = run(train(tmp_path, "--epochs", "5", "--resume", "--no-progress"), check=False)
+    assert proc.returncode != 0
+    assert "--resume: no usable checkpoint" in proc.stdout + proc.stderr
+
+
+def test_nan_on_one_rank_skips_the_step_on_all_ranks(tmp_path):
+    proc = run(train(tmp_path, "--epochs", "2", "--fault-nan-at", "1:5", "--no-progress"))
+    assert "non-finite loss on rank(s) [1] at optimizer step 5" in proc.stdout + proc.stderr
+    m = metrics(tmp_path)
+    assert m["skipped_steps"] == 1 and m["ranks_agree"] is True
+    assert all(np.isfinite(e["train_loss"]) for e in m["epochs"])
+    assert m["epochs"][0]["optimizer_steps"] == 44  # 45 per epoch, one skipped
+
+
+def test_nan_with_stop_ends_the_job_with_a_clear_message(tmp_path):
+    proc = run(train(tmp_path, "--epochs", "2", "--fault-nan-at", "0:3", "--on-nonfinite",
+                     "stop", "--no-progress"), check=False)
+    assert proc.returncode != 0
+    assert "non-finite loss on rank(s) [0] at optimizer step 3" in proc.stdout + proc.stderr
+    assert "--on-nonfinite stop" in proc.stdout + proc.stderr
+
+
+def test_data_that_does_not_divide_among_ranks(tmp_path):
+    # 1001 samples over 3 ranks (oversubscribed): DistributedSampler pads to equal shards.
+    run(train(tmp_path, "--dataset", "synthetic", "--synthetic-samples", "1001", "--epochs", "2",
+              "--no-progress", np_=3))
+    m = metrics(tmp_path)
+    assert m["size"] == 3 and m["ranks_agree"] is True and len(m["epochs"]) == 2
