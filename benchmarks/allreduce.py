@@ -107,6 +107,10 @@ def worker(impl: str, byte_sizes: list[int], iters: int, warmup: int, json_out: 
     if rank == 0:
         with open(json_out, "w") as f:
             json.dump({"impl": impl, "size": size, "seconds": result}, f)
+    if impl == "torch-gloo":
+        import torch.distributed as dist
+        dist.barrier()
+        dist.destroy_process_group()  # else Gloo's threads may abort the interpreter at exit
 
 
 def launch_argv(impl: str, np_: int, args) -> list[str]:

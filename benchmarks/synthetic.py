@@ -194,6 +194,9 @@ def main(argv=None) -> dict:
     if rank == 0 and args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(result, f)
+    if args.mode == "ddp":
+        import torch.distributed as dist
+        dist.destroy_process_group()
     return result
 
 
