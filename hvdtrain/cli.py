@@ -58,6 +58,11 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                         help="skip (the step, on all ranks) or stop when a loss is NaN/Inf")
     parser.add_argument("--fault-nan-at", default=d.fault_nan_at, metavar="RANK:STEP",
                         help="fault drill: make RANK's loss NaN at optimizer STEP")
+    parser.add_argument("--elastic", action="store_true",
+                        help="Horovod Elastic training (torch; launch with hvdtrain launch "
+                             "--elastic)")
+    parser.add_argument("--commit-every", type=int, default=d.commit_every,
+                        help="elastic: commit the state every N optimizer steps")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -67,7 +72,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = TrainConfig(**fields).validate()
     except ConfigError as exc:
         return _fail(str(exc))
-    if cfg.framework == "torch":
+    if cfg.elastic:
+        from hvdtrain.torch.elastic import fit_elastic as fit
+    elif cfg.framework == "torch":
         from hvdtrain.torch.trainer import fit
     else:
         from hvdtrain.keras.trainer import fit
@@ -123,6 +130,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if not command:
         return _fail("no command to launch; write it after '--', e.g. "
                      "hvdtrain launch --hostfile hosts -np 2 -- hvdtrain train")
+    if args.elastic:
+        return _launch_elastic(args, command)
+    if not args.hostfile:
+        return _fail("--hostfile is required (or --elastic with --host-discovery-script)")
     try:
         hosts = hf.read_hostfile(args.hostfile)
         hf.check_np(hosts, args.np)
@@ -156,6 +167,29 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return subprocess.run(argv, env=env).returncode
 
 
+def _launch_elastic(args: argparse.Namespace, command: list[str]) -> int:
+    """``hvdtrain launch --elastic``: horovodrun with --min-np/--max-np/--host-discovery-script."""
+    import os
+    import shlex
+    import subprocess
+
+    from hvdtrain import hostfile as hf
+    if args.launcher != "horovodrun":
+        return _fail("--elastic needs --launcher horovodrun (mpirun cannot add or lose workers)")
+    try:
+        argv, env = hf.horovodrun_elastic_argv(
+            args.np, command, min_np=args.min_np, max_np=args.max_np,
+            discovery_script=args.host_discovery_script, ssh_port=args.ssh_port,
+            ssh_identity_file=args.ssh_identity_file,
+            network_interfaces=args.network_interfaces, env=dict(os.environ))
+    except ValueError as exc:
+        return _fail(str(exc))
+    print(shlex.join(argv), flush=True)
+    if args.dry_run:
+        return 0
+    return subprocess.run(argv, env=env).returncode
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``hvdtrain`` argument parser with one sub-command per task."""
     parser = argparse.ArgumentParser(prog="hvdtrain", description=__doc__.splitlines()[0])
@@ -167,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="show what Horovod supports on this machine")
     doctor.set_defaults(func=cmd_doctor)
     launch = sub.add_parser("launch", help="validate a hostfile and run a command on its hosts")
-    launch.add_argument("--hostfile", required=True, help="'host slots=N' lines (or host:N)")
+    launch.add_argument("--hostfile", help="'host slots=N' lines (or host:N)")
     launch.add_argument("-np", "--num-proc", dest="np", type=int, required=True,
                         help="processes in all")
     launch.add_argument("--launcher", choices=("horovodrun", "mpirun"), default="horovodrun")
@@ -184,6 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Horovod background cycle time (HOROVOD_CYCLE_TIME)")
     launch.add_argument("--autotune", action="store_true",
                         help="let Horovod tune fusion and cycle time while training")
+    launch.add_argument("--elastic", action="store_true",
+                        help="Horovod Elastic: workers may leave and join (horovodrun, Gloo)")
+    launch.add_argument("--min-np", type=int, help="elastic: fewest workers to go on with")
+    launch.add_argument("--max-np", type=int, help="elastic: most workers to use")
+    launch.add_argument("--host-discovery-script",
+                        help="elastic: executable printing the available 'host:slots' lines")
     launch.add_argument("--no-tuning", action="store_true",
                         help="do not add hvdtrain's machine-specific MPI settings")
     launch.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")

@@ -48,6 +48,8 @@ class TrainConfig:
             on every rank, or ``"stop"`` the job (PyTorch).
         fault_nan_at: fault injection for drills and tests, ``"RANK:STEP"``: that rank's loss
             becomes NaN at that optimizer step (0-based); empty for none.
+        elastic: train with Horovod Elastic (PyTorch; launch with ``hvdtrain launch --elastic``).
+        commit_every: elastic: commit the training state every this many optimizer steps.
     """
     framework: str = "torch"
     dataset: str = "digits"
@@ -68,6 +70,8 @@ class TrainConfig:
     resume: bool = False
     on_nonfinite: str = "skip"
     fault_nan_at: str = ""
+    elastic: bool = False
+    commit_every: int = 10
 
     def global_batch(self, size: int) -> int:
         """Samples per optimizer step across all ranks: ``batch_size x k x size``."""
@@ -117,6 +121,15 @@ class TrainConfig:
                               "only in this version")
         if self.fault_nan_at:
             self.fault()
+        if self.elastic:
+            if self.framework != "torch":
+                raise ConfigError("--elastic is available with --framework torch only")
+            if self.backward_passes_per_step != 1 or self.resume or self.fault_nan_at:
+                raise ConfigError("--elastic trains with -k 1 and without --resume or "
+                                  "--fault-nan-at (it keeps its own state); drop those options")
+        if not isinstance(self.commit_every, int) or self.commit_every < 1:
+            raise ConfigError(f"--commit-every must be a whole number >= 1; got "
+                              f"{self.commit_every!r}")
         if not self.lr > 0:
             raise ConfigError(f"--lr must be > 0; got {self.lr!r}")
         if not 0 <= self.momentum < 1:

@@ -297,6 +297,39 @@ def horovodrun_argv(np_: int, hostfile: Hostfile, command: list[str], *,
     return argv + list(command), env
 
 
+def horovodrun_elastic_argv(np_: int, command: list[str], *, min_np: int | None,
+                            max_np: int | None, discovery_script: str | None,
+                            ssh_port: int | None = None, ssh_identity_file: str | None = None,
+                            network_interfaces: str | None = None,
+                            env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """``horovodrun -np N --min-np A --max-np B --host-discovery-script S [...] <command>``
+    (Horovod Elastic, Gloo controller).
+
+    Raises:
+        ValueError: a missing/non-executable discovery script, or not ``1 <= A <= N <= B``.
+    """
+    import os
+    if not command:
+        raise ValueError("no command to launch; put it after '--'")
+    if not discovery_script or not os.access(discovery_script, os.X_OK):
+        raise ValueError(f"--host-discovery-script {discovery_script!r} is not an executable file;"
+                         " give a script that prints one 'host:slots' line per available host")
+    min_np = min_np or 1
+    max_np = max_np or np_
+    if not 1 <= min_np <= np_ <= max_np:
+        raise ValueError(f"elastic sizes must satisfy 1 <= --min-np ({min_np}) <= -np ({np_}) "
+                         f"<= --max-np ({max_np})")
+    argv = ["horovodrun", "-np", str(np_), "--min-np", str(min_np), "--max-np", str(max_np),
+            "--host-discovery-script", discovery_script]
+    if ssh_port is not None:
+        argv += ["--ssh-port", str(ssh_port)]
+    if ssh_identity_file:
+        argv += ["--ssh-identity-file", str(ssh_identity_file)]
+    if network_interfaces:
+        argv += ["--network-interfaces", network_interfaces]
+    return argv + list(command), dict(env or {})
+
+
 def mpirun_argv(np_: int, hostfile: Hostfile, command: list[str], *,
                 env: dict[str, str] | None = None, allow_run_as_root: bool = False,
                 mca: dict[str, str] | None = None,

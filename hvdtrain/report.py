@@ -67,7 +67,11 @@ def run_header(framework: str, cfg, info, train_samples: int, test_samples: int,
             "lr_scaling": cfg.lr_scaling, "warmup_epochs": cfg.warmup_epochs,
             "steps_per_epoch": steps_per_epoch, "train_samples": train_samples,
             "test_samples": test_samples, "threads_per_rank": info.threads,
-            "config": cfg.to_dict(), "versions": dict(versions)}
+            "config": cfg.to_dict(), "versions": dict(versions),
+            # Filled in by the trainer where it applies: the checkpoint resumed from, optimizer
+            # steps skipped for non-finite losses (None: not checked), and whether every rank
+            # ended with the same weights.
+            "resumed_from": None, "skipped_steps": None, "ranks_agree": None}
 
 
 def setup_logging(rank: int) -> None:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import horovod
+import horovod.tensorflow as hvd_tf
 import numpy as np
 import tensorflow as tf
 
@@ -120,4 +121,9 @@ def fit(cfg: TrainConfig) -> dict:
     model.fit(dataset, epochs=cfg.epochs, steps_per_epoch=micro_per_epoch,
               callbacks=[*callbacks, _EpochEnd(state)],
               verbose=1 if (info.is_root and cfg.progress) else 0)
+    # Every rank must hold the same weights; a divergence would be a bug worth knowing about.
+    checksum = float(sum(np.asarray(w, dtype=np.float64).sum() for w in model.get_weights()))
+    report.header["ranks_agree"] = len(set(hvd_tf.allgather_object(checksum))) == 1
+    if info.is_root:
+        report.write()
     return report.to_dict()

@@ -1,0 +1,148 @@
+"""``hvdtrain train --framework torch --elastic``: training that survives workers leaving and
+joining, with Horovod Elastic (``hvd.elastic.run``, ``TorchState``, ``ElasticSampler``).
+
+Launch (Gloo controller; horovodrun restarts the training function on the surviving workers and
+adds workers its host discovery script reports)::
+
+    hvdtrain launch --elastic --min-np 1 --max-np 3 --host-discovery-script ./discover.sh \\
+        -np 3 -- hvdtrain train --elastic
+    # = horovodrun -np 3 --min-np 1 --max-np 3 --host-discovery-script ./discover.sh \\
+    #       hvdtrain train --elastic
+
+Progress is committed every ``--commit-every`` optimizer steps and at each epoch's end: when a
+worker fails, every survivor rolls back to the last commit (model, optimizer, sampler position,
+counters) and carries on; the sampler gives the not-yet-processed samples of the epoch to the new
+set of workers, so committed work is neither repeated nor lost. The learning rate is rescaled for
+the new world size at every reset (``schedule.scale_factor``).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import horovod
+import horovod.torch as hvd
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from hvdtrain import data, runtime, schedule
+from hvdtrain.config import TrainConfig
+from hvdtrain.report import EpochMetrics, RunReport, run_header, setup_logging
+from hvdtrain.torch import adapter, checkpoint
+from hvdtrain.torch.models import build_model
+from hvdtrain.torch.trainer import evaluate
+
+log = logging.getLogger("hvdtrain")
+
+
+def fit_elastic(cfg: TrainConfig) -> dict:
+    """Train like :func:`hvdtrain.torch.trainer.fit`, elastically (k = 1, linear/sqrt/none LR
+    scaling at the current size, no warmup).
+
+    ``metrics.json`` gains per epoch ``samples`` (training samples committed in that epoch, over
+    all workers: the split's size, plus at most ``size - 1`` padding samples per reset) and
+    ``sizes`` (the world sizes the epoch ran at).
+
+    Returns:
+        The run report, on every rank.
+    """
+    hvd.init()
+    seed = runtime.rank_seed(cfg.seed, hvd.rank())
+    torch.manual_seed(seed)
+    torch.set_num_threads(runtime.thread_budget(hvd.local_size()))
+    setup_logging(hvd.rank())
+    split = data.load(cfg.dataset, test_fraction=cfg.test_fraction,
+                      synthetic_samples=cfg.synthetic_samples)
+    train_set = TensorDataset(torch.from_numpy(split.x_train), torch.from_numpy(split.y_train))
+    x_test, y_test = torch.from_numpy(split.x_test), torch.from_numpy(split.y_test)
+    sampler = hvd.elastic.ElasticSampler(train_set, shuffle=True, seed=cfg.seed)
+    loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler)
+
+    model = build_model(split.num_classes, split.x_train.shape[-1])
+    # foreach/fused given explicitly: Horovod's state sync broadcasts every optimizer option as a
+    # tensor and fails on PyTorch's default None for them.
+    base = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, foreach=False)
+    optimizer = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    out = Path(cfg.output_dir)
+
+    def set_lr() -> None:
+        lr = schedule.scaled_lr(cfg.lr, cfg.lr_scaling, hvd.size())
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+    state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0,
+                                   batch=0, samples=0, loss_sum=0.0, correct=0, sizes=[],
+                                   history=[])
+
+    def on_reset() -> None:
+        set_lr()
+        log.warning("workers changed: now %d (lr %g)", hvd.size(),
+                    optimizer.param_groups[0]["lr"])
+
+    state.register_reset_callbacks([on_reset])
+
+    @hvd.elastic.run
+    def train(state) -> None:
+        set_lr()
+        while state.epoch < cfg.epochs:
+            start = time.perf_counter()
+            if hvd.size() not in state.sizes:
+                state.sizes = state.sizes + [hvd.size()]
+            model.train()
+            for x, y in loader:
+                logits = model(x)
+                loss = F.cross_entropy(logits, y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                totals = adapter.allreduce_sums(
+                    {"n": len(x), "loss": loss.item() * len(x),
+                     "correct": (logits.argmax(1) == y).sum().item()}, name="hvdtrain.elastic")
+                state.samples += int(totals["n"])
+                state.loss_sum += totals["loss"]
+                state.correct += int(totals["correct"])
+                state.batch += 1
+                sampler.record_batch(state.batch, cfg.batch_size)
+                if state.batch % cfg.commit_every == 0:
+                    state.commit()
+            test_loss, test_acc = evaluate(model, x_test, y_test, hvd.rank(), hvd.size())
+            seconds = time.perf_counter() - start
+            metrics = EpochMetrics(state.epoch + 1, state.loss_sum / state.samples,
+                                   state.correct / state.samples, test_loss, test_acc,
+                                   optimizer.param_groups[0]["lr"], state.batch, seconds,
+                                   state.samples / seconds)
+            state.history = state.history + [{**vars(metrics), "samples": state.samples,
+                                              "sizes": list(state.sizes)}]
+            if hvd.rank() == 0:
+                log.info("epoch %d: %d samples at sizes %s | test acc %.4f", state.epoch + 1,
+                         state.samples, state.sizes, test_acc)
+                checkpoint.save(out, {
+                    "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "epoch": state.epoch + 1, "step": 0, "size": hvd.size(),
+                    "global_batch": cfg.global_batch(hvd.size()), "config": cfg.to_dict(),
+                    "rng": checkpoint.rng_state(), "metrics": state.history})
+            state.epoch += 1
+            state.batch, state.samples, state.loss_sum, state.correct = 0, 0, 0.0, 0
+            state.sizes = []
+            sampler.set_epoch(state.epoch)
+            state.commit()
+
+    train(state)
+    header = run_header("torch", cfg, runtime.RankInfo(hvd.rank(), hvd.local_rank(), hvd.size(),
+                                                        hvd.local_size(), torch.get_num_threads(),
+                                                        seed, hvd.cross_size()),
+                        len(train_set), len(x_test), len(loader),
+                        {"torch": torch.__version__, "horovod": horovod.__version__})
+    header["elastic"] = True
+    report = RunReport(out, header, is_root=hvd.rank() == 0)
+    report.epochs = [EpochMetrics(**{k: v for k, v in e.items() if k not in ("samples", "sizes")})
+                     for e in state.history]
+    result = report.to_dict()
+    for epoch, extra in zip(result["epochs"], state.history):
+        epoch["samples"], epoch["sizes"] = extra["samples"], extra["sizes"]
+    if hvd.rank() == 0:
+        from hvdtrain.files import write_json
+        write_json(report.path, result)
+    return result
