@@ -33,6 +33,7 @@ from hvdtrain.report import EpochMetrics, RunReport, run_header, setup_logging
 from hvdtrain.torch import adapter, checkpoint
 from hvdtrain.torch.models import build_model
 from hvdtrain.torch.trainer import evaluate
+from hvdtrain.files import write_json
 
 log = logging.getLogger("hvdtrain")
 
@@ -82,6 +83,25 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                     optimizer.param_groups[0]["lr"])
 
     state.register_reset_callbacks([on_reset])
+    info = runtime.RankInfo(hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size(),
+                            torch.get_num_threads(), seed, hvd.cross_size())
+    header = run_header("torch", cfg, info, len(train_set), len(x_test), len(loader),
+                        {"torch": torch.__version__, "horovod": horovod.__version__})
+    header["elastic"] = True
+
+    def write_report() -> dict:
+        """metrics.json from the committed history (rank 0 writes; every rank returns it)."""
+        report = RunReport(out, header, is_root=hvd.rank() == 0)
+        report.epochs = [EpochMetrics(**{k: v for k, v in e.items()
+                                         if k not in ("samples", "sizes")})
+                         for e in state.history]
+        result = report.to_dict()
+        result["size"] = hvd.size()
+        for epoch, extra in zip(result["epochs"], state.history):
+            epoch["samples"], epoch["sizes"] = extra["samples"], extra["sizes"]
+        if hvd.rank() == 0:
+            write_json(report.path, result)
+        return result
 
     @hvd.elastic.run
     def train(state) -> None:
@@ -123,6 +143,7 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                     "epoch": state.epoch + 1, "step": 0, "size": hvd.size(),
                     "global_batch": cfg.global_batch(hvd.size()), "config": cfg.to_dict(),
                     "rng": checkpoint.rng_state(), "metrics": state.history})
+                write_report()
             state.epoch += 1
             state.batch, state.samples, state.loss_sum, state.correct = 0, 0, 0.0, 0
             state.sizes = []
@@ -130,19 +151,4 @@ def fit_elastic(cfg: TrainConfig) -> dict:
             state.commit()
 
     train(state)
-    header = run_header("torch", cfg, runtime.RankInfo(hvd.rank(), hvd.local_rank(), hvd.size(),
-                                                        hvd.local_size(), torch.get_num_threads(),
-                                                        seed, hvd.cross_size()),
-                        len(train_set), len(x_test), len(loader),
-                        {"torch": torch.__version__, "horovod": horovod.__version__})
-    header["elastic"] = True
-    report = RunReport(out, header, is_root=hvd.rank() == 0)
-    report.epochs = [EpochMetrics(**{k: v for k, v in e.items() if k not in ("samples", "sizes")})
-                     for e in state.history]
-    result = report.to_dict()
-    for epoch, extra in zip(result["epochs"], state.history):
-        epoch["samples"], epoch["sizes"] = extra["samples"], extra["sizes"]
-    if hvd.rank() == 0:
-        from hvdtrain.files import write_json
-        write_json(report.path, result)
-    return result
+    return write_report()
