@@ -106,3 +106,15 @@ class RankInfo:
         return (f"RankInfo(rank={self.rank}, local_rank={self.local_rank}, size={self.size}, "
                 f"local_size={self.local_size}, threads={self.threads}, seed={self.seed}, "
                 f"hosts={self.hosts})")
+
+
+def ranks_where(flag: bool, rank: int, size: int, allreduce_sums) -> list[int]:
+    """The ranks on which ``flag`` is true, known to every rank after one all-reduce of ``size``
+    numbers (``allreduce_sums`` is the adapter's). Every rank must call it at the same point.
+
+    Returns:
+        Sorted ranks (empty when the flag is false everywhere).
+    """
+    values = {f"{r:08d}": 0.0 for r in range(size)}
+    values[f"{rank:08d}"] = float(bool(flag))
+    return [int(r) for r, v in allreduce_sums(values).items() if v > 0]

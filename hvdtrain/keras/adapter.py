@@ -81,10 +81,8 @@ def ranks_where(flag: bool, name: str = "hvdtrain.flag") -> list[int]:
     Returns:
         Sorted ranks (empty when the flag is false everywhere).
     """
-    values = {f"{r:08d}": 0.0 for r in range(hvd.size())}
-    values[f"{hvd.rank():08d}"] = float(bool(flag))
-    summed = allreduce_sums(values, name=name)
-    return [int(r) for r, v in summed.items() if v > 0]
+    return runtime.ranks_where(flag, hvd.rank(), hvd.size(),
+                               lambda values: allreduce_sums(values, name=name))
 
 
 def _require_built(model: tf.keras.Model) -> None:
