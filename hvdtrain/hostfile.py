@@ -252,6 +252,19 @@ def horovod_knobs(fusion_threshold_mb: int | None = None, cycle_time_ms: float |
     return env
 
 
+def _horovodrun_ssh_args(ssh_port: int | None, ssh_identity_file: str | None,
+                         network_interfaces: str | None) -> list[str]:
+    """horovodrun's options for reaching the hosts (both launch modes)."""
+    args = []
+    if ssh_port is not None:
+        args += ["--ssh-port", str(ssh_port)]
+    if ssh_identity_file:
+        args += ["--ssh-identity-file", str(ssh_identity_file)]
+    if network_interfaces:
+        args += ["--network-interfaces", network_interfaces]
+    return args
+
+
 def horovodrun_argv(np_: int, hostfile: Hostfile, command: list[str], *,
                     ssh_port: int | None = None, ssh_identity_file: str | None = None,
                     network_interfaces: str | None = None, gloo: bool = False,
@@ -276,12 +289,7 @@ def horovodrun_argv(np_: int, hostfile: Hostfile, command: list[str], *,
     argv = ["horovodrun", "-np", str(np_), *hosts]
     if gloo:
         argv.append("--gloo")
-    if ssh_port is not None:
-        argv += ["--ssh-port", str(ssh_port)]
-    if ssh_identity_file:
-        argv += ["--ssh-identity-file", str(ssh_identity_file)]
-    if network_interfaces:
-        argv += ["--network-interfaces", network_interfaces]
+    argv += _horovodrun_ssh_args(ssh_port, ssh_identity_file, network_interfaces)
     if mca and not gloo:
         argv.append("--mpi-args=" + " ".join(f"--mca {k} {v}" for k, v in mca.items()))
     env = dict(env or {})
@@ -321,12 +329,7 @@ def horovodrun_elastic_argv(np_: int, command: list[str], *, min_np: int | None,
                          f"<= --max-np ({max_np})")
     argv = ["horovodrun", "-np", str(np_), "--min-np", str(min_np), "--max-np", str(max_np),
             "--host-discovery-script", discovery_script]
-    if ssh_port is not None:
-        argv += ["--ssh-port", str(ssh_port)]
-    if ssh_identity_file:
-        argv += ["--ssh-identity-file", str(ssh_identity_file)]
-    if network_interfaces:
-        argv += ["--network-interfaces", network_interfaces]
+    argv += _horovodrun_ssh_args(ssh_port, ssh_identity_file, network_interfaces)
     return argv + list(command), dict(env or {})
 
 
