@@ -66,7 +66,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """Validate the options, then run the framework's trainer; 0 on success, 2 on bad input."""
+    """Validate the options, then run the framework's trainer; 0 on success, 2 on bad input, 1
+    when ``--on-nonfinite stop`` stopped the run."""
     fields = {k: v for k, v in vars(args).items() if k not in ("command", "func")}
     try:
         cfg = TrainConfig(**fields).validate()
@@ -78,7 +79,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         from hvdtrain.torch.trainer import fit
     else:
         from hvdtrain.keras.trainer import fit
-    fit(cfg)
+    try:
+        fit(cfg)
+    except runtime.NonFiniteLossError as exc:  # every rank stops at the same step
+        return _fail(str(exc), code=1)
     return 0
 
 

@@ -116,9 +116,6 @@ class TrainConfig:
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{flag} must be a whole number >= 1; got {value!r}")
         choice("--on-nonfinite", self.on_nonfinite, ("skip", "stop"))
-        if self.framework == "keras" and (self.resume or self.fault_nan_at):
-            raise ConfigError("--resume and --fault-nan-at are available with --framework torch "
-                              "only in this version")
         if self.fault_nan_at:
             self.fault()
         if self.elastic:

@@ -118,3 +118,38 @@ def ranks_where(flag: bool, rank: int, size: int, allreduce_sums) -> list[int]:
     values = {f"{r:08d}": 0.0 for r in range(size)}
     values[f"{rank:08d}"] = float(bool(flag))
     return [int(r) for r, v in allreduce_sums(values).items() if v > 0]
+
+
+class NonFiniteLossError(RuntimeError):
+    """A loss was NaN/Inf on some rank and ``--on-nonfinite stop`` was chosen (raised on every
+    rank at the same optimizer step)."""
+
+
+def nonfinite_message(bad_ranks: list[int], step: int, epoch: int) -> str:
+    """The one-line report of a non-finite loss, the same for both adapters."""
+    return f"non-finite loss on rank(s) {bad_ranks} at optimizer step {step} (epoch {epoch})"
+
+
+def nonfinite_stop(message: str) -> NonFiniteLossError:
+    """The error raised with ``--on-nonfinite stop``, saying what to change."""
+    return NonFiniteLossError(message + "; stopped (--on-nonfinite stop). Lower --lr or check "
+                              "the data")
+
+
+def python_numpy_rng_state() -> dict:
+    """Python's and NumPy's global RNG states as plain lists/ints/strings (storable in JSON and
+    in ``torch.load(weights_only=True)`` checkpoints)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, state, gauss = random.getstate()
+    return {"numpy": {"kind": kind, "keys": keys.astype(np.int64).tolist(), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached": float(cached)},
+            "python": {"version": version, "state": list(state), "gauss": gauss}}
+
+
+def set_python_numpy_rng_state(state: dict) -> None:
+    """Restore what :func:`python_numpy_rng_state` returned."""
+    n = state["numpy"]
+    np.random.set_state((n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"],
+                         n["has_gauss"], n["cached"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["state"]), p["gauss"]))

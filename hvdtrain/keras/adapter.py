@@ -18,6 +18,8 @@ Typical use (launched with ``horovodrun -np 2 python train.py``)::
 """
 from __future__ import annotations
 
+import logging
+
 import horovod.tensorflow as hvd_tf
 import horovod.tensorflow.keras as hvd
 import numpy as np
@@ -28,6 +30,8 @@ from hvdtrain.accumulation import check_distribute_args
 
 _COMPRESSIONS = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
 _OPS = {"average": hvd.Average}
+NONFINITE_MODES = ("skip", "stop")
+log = logging.getLogger("hvdtrain")
 
 
 def init(seed: int = 42, threads: int | None = None) -> runtime.RankInfo:
@@ -112,7 +116,7 @@ def broadcast_state(model: tf.keras.Model, optimizer: tf.keras.optimizers.Optimi
 def distribute(model: tf.keras.Model, optimizer: tf.keras.optimizers.Optimizer, *,
                backward_passes_per_step: int = 1, lr_scaling: str = "linear",
                compression: str = "none", op: str = "average", root_rank: int = 0,
-               gradient_predivide_factor: float = 1.0):
+               gradient_predivide_factor: float = 1.0, on_nonfinite: str | None = None):
     """Turn a single-process Keras model and optimizer into synchronous data-parallel ones.
 
     1. Multiplies the optimizer's learning rate by ``schedule.scale_factor(lr_scaling, size, k)``
@@ -128,6 +132,11 @@ def distribute(model: tf.keras.Model, optimizer: tf.keras.optimizers.Optimizer, 
        from its config and drops them), then broadcasts model and optimizer variables from
        ``root_rank`` (:func:`broadcast_state`).
 
+    4. With ``on_nonfinite="skip"`` or ``"stop"``: a NaN/Inf loss on any rank skips that
+       optimizer step on every rank (see :class:`NonFiniteGuard`); ``"stop"`` then ends ``fit``
+       with :class:`~hvdtrain.runtime.NonFiniteLossError` (raised by the callback that
+       :func:`callbacks` adds).
+
     Compile the model with the returned optimizer: ``model.compile(optimizer=optimizer, ...)``.
 
     Args:
@@ -139,17 +148,21 @@ def distribute(model: tf.keras.Model, optimizer: tf.keras.optimizers.Optimizer, 
         op: ``"average"`` (Horovod's Keras optimizer has no Adasum).
         root_rank: rank whose initial state every rank takes.
         gradient_predivide_factor: passed to Horovod.
+        on_nonfinite: ``None`` (no check), ``"skip"`` or ``"stop"``.
 
     Returns:
         ``(model, optimizer)``: the same model (now equal on all ranks) and the wrapped optimizer,
         which has ``.backward_passes_per_step`` and ``.hvdtrain_lr_scale``.
 
     Raises:
-        ValueError: unknown ``lr_scaling``/``compression``/``op``, k < 1, an unbuilt model, or a
+        ValueError: unknown ``lr_scaling``/``compression``/``op``/``on_nonfinite``, k < 1, an
+            unbuilt model, or a
             learning-rate schedule object as the optimizer's rate (use a float and
             :func:`warmup`).
     """
     check_distribute_args(backward_passes_per_step, compression, op, _COMPRESSIONS, _OPS)
+    if on_nonfinite is not None and on_nonfinite not in NONFINITE_MODES:
+        raise ValueError(f"on_nonfinite must be None, 'skip' or 'stop'; got {on_nonfinite!r}")
     _require_built(model)
     if isinstance(optimizer._learning_rate, tf.keras.optimizers.schedules.LearningRateSchedule):
         raise ValueError("the optimizer's learning_rate is a schedule object; give it a float and "
@@ -174,7 +187,97 @@ def distribute(model: tf.keras.Model, optimizer: tf.keras.optimizers.Optimizer, 
     wrapped.hvdtrain_lr_scale = factor
     wrapped.backward_passes_per_step = backward_passes_per_step
     broadcast_state(model, wrapped, root_rank)
+    if on_nonfinite is not None:
+        wrapped.hvdtrain_nonfinite = NonFiniteGuard(wrapped, on_nonfinite)
     return model, wrapped
+
+
+class NonFiniteGuard:
+    """Skips, on every rank together, an optimizer step whose loss was NaN/Inf on any rank.
+
+    Installed by :func:`distribute` (``on_nonfinite=``) as the wrapped optimizer's ``minimize``,
+    which Keras's ``Model.train_step`` calls with the micro-batch loss. Per micro-batch it runs
+    Horovod's ``compute_gradients`` (local accumulation, and the gradient all-reduce on the k-th
+    micro-batch) and notes whether this rank's loss was finite. On the k-th micro-batch of a group
+    the per-rank flags go through one all-reduce (a vector of ``size`` float64 numbers, so every
+    rank learns which ranks were bad); if any is set, no rank applies the gradients (weights and
+    optimizer slots stay as they were), ``optimizer.iterations`` still advances (the LR schedule
+    follows the step, as in the PyTorch trainer) and ``skipped`` grows by one. The decision is the
+    same on every rank, so ranks never diverge.
+
+    Attributes:
+        mode: ``"skip"`` or ``"stop"`` (stop is carried out by the callback of :func:`callbacks`).
+        skipped: ``tf.Variable`` (int64), steps skipped so far.
+        bad_ranks: ``tf.Variable`` ``(size,)`` float64, 1 for the ranks of the last skipped step.
+        bad_step: ``tf.Variable`` (int64), the optimizer step last skipped (-1: none).
+    """
+
+    def __init__(self, optimizer, mode: str):
+        self.optimizer, self.mode = optimizer, mode
+        self.k = int(optimizer.backward_passes_per_step)
+        self.rank, self.size = hvd.rank(), hvd.size()
+        with tf.init_scope():
+            self._group_bad = tf.Variable(False, trainable=False, name="hvdtrain_group_bad")
+            self.skipped = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvdtrain_skipped")
+            self.bad_ranks = tf.Variable(tf.zeros([self.size], tf.float64), trainable=False,
+                                         name="hvdtrain_bad_ranks")
+            self.bad_step = tf.Variable(-1, dtype=tf.int64, trainable=False,
+                                        name="hvdtrain_bad_step")
+        optimizer.minimize = self.minimize
+
+    def minimize(self, loss, var_list, tape=None):
+        """Keras's ``Optimizer.minimize`` with the check (``loss``: scalar tensor)."""
+        grads_and_vars = list(self.optimizer.compute_gradients(loss, var_list, tape))
+        finite = tf.reduce_all(tf.math.is_finite(loss))
+        self._group_bad.assign(tf.logical_or(self._group_bad, tf.logical_not(finite)))
+        if self.k == 1:
+            self._end_of_group(grads_and_vars)
+        else:
+            last = tf.equal((self.optimizer.iterations + 1) % self.k, 0)
+            tf.cond(last, lambda: self._end_of_group(grads_and_vars),
+                    lambda: self._apply(grads_and_vars))
+
+    def _apply(self, grads_and_vars):
+        self.optimizer.apply_gradients(grads_and_vars)
+        return tf.constant(0)
+
+    def _end_of_group(self, grads_and_vars):
+        flags = tf.one_hot(self.rank, self.size, dtype=tf.float64) * tf.cast(self._group_bad,
+                                                                              tf.float64)
+        flags = hvd_tf.allreduce(flags, op=hvd.Sum, name="hvdtrain.nonfinite")
+        self._group_bad.assign(False)
+
+        def skip():
+            self.skipped.assign_add(1)
+            self.bad_ranks.assign(flags)
+            self.bad_step.assign(self.optimizer.iterations // self.k)
+            self.optimizer.iterations.assign_add(1)
+            return tf.constant(0)
+
+        return tf.cond(tf.reduce_sum(flags) > 0, skip, lambda: self._apply(grads_and_vars))
+
+
+class _NonFiniteCallback(tf.keras.callbacks.Callback):
+    """Reports each step a :class:`NonFiniteGuard` skipped; with ``mode="stop"`` raises
+    :class:`~hvdtrain.runtime.NonFiniteLossError` (on every rank at the same batch)."""
+
+    def __init__(self, guard: NonFiniteGuard):
+        super().__init__()
+        self.guard, self.seen, self.epoch = guard, 0, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        skipped = int(self.guard.skipped.numpy())
+        if skipped == self.seen:
+            return
+        self.seen = skipped
+        bad = [r for r, v in enumerate(self.guard.bad_ranks.numpy()) if v > 0]
+        message = runtime.nonfinite_message(bad, int(self.guard.bad_step.numpy()), self.epoch + 1)
+        if self.guard.mode == "stop":
+            raise runtime.nonfinite_stop(message)
+        log.warning("%s: step skipped on all ranks", message)
 
 
 class WarmupCallback(tf.keras.callbacks.Callback):
@@ -274,6 +377,10 @@ def shard_dataset(x: np.ndarray, y: np.ndarray, *, batch_size: int, seed: int = 
 
 def callbacks(optimizer, *, warmup_epochs: float = 0.0, steps_per_epoch: int = 1) -> list:
     """The callbacks a data-parallel ``fit`` needs, in order: ``MetricAverageCallback`` (epoch
-    logs and History hold averages over all ranks) and the warmup (:func:`warmup`)."""
+    logs and History hold averages over all ranks), the report of skipped non-finite steps when
+    :func:`distribute` installed a :class:`NonFiniteGuard`, and the warmup (:func:`warmup`,
+    last)."""
+    guard = getattr(optimizer, "hvdtrain_nonfinite", None)
     return [hvd.callbacks.MetricAverageCallback(),
+            *([_NonFiniteCallback(guard)] if guard is not None else []),
             warmup(optimizer, warmup_epochs=warmup_epochs, steps_per_epoch=steps_per_epoch)]

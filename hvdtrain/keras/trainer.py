@@ -16,22 +16,92 @@ import horovod.tensorflow as hvd_tf
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain import data
+from hvdtrain import data, runtime
 from hvdtrain.config import TrainConfig
-from hvdtrain.files import atomic_path
-from hvdtrain.keras import adapter
+from hvdtrain.files import CheckpointError, atomic_path
+from hvdtrain.keras import adapter, checkpoint
 from hvdtrain.keras.models import build_model
 from hvdtrain.report import EpochMetrics, RunReport, run_header, setup_logging
 
-CHECKPOINT_FILE = "checkpoint.weights.h5"
+WEIGHTS_FILE = "checkpoint.weights.h5"
 log = logging.getLogger("hvdtrain")
 
 
-def save_checkpoint(path: str | Path, model: tf.keras.Model) -> None:
-    """Write the model's weights (HDF5) atomically: temp file, fsync, rename. Rank 0 only."""
+def save_weights(path: str | Path, model: tf.keras.Model) -> None:
+    """Write the model's weights (HDF5, for ``model.load_weights``) atomically: temp file, fsync,
+    rename. Rank 0 only. (``--resume`` reads :mod:`hvdtrain.keras.checkpoint` instead, which
+    also holds the optimizer state.)"""
     # The temporary name keeps the ".weights.h5" ending: Keras picks the file format from it.
     with atomic_path(path, suffix=".weights.h5") as tmp:
         model.save_weights(str(tmp))
+
+
+class TrainLoss:
+    """The training loss (sparse categorical cross-entropy on logits; ``y_true`` ``(B,)``,
+    ``y_pred`` ``(B, C)``, returns the batch mean), which also
+
+    - adds each finite micro-batch loss x batch size to ``loss_sum`` / ``samples`` (float64
+      variables), so the epoch's train loss leaves out skipped non-finite batches, like the
+      PyTorch trainer's; and
+    - carries out ``--fault-nan-at RANK:STEP``: that rank's loss is NaN in optimizer step STEP.
+    """
+
+    def __init__(self, optimizer, k: int, rank: int, fault: tuple[int, int] | None):
+        self.base = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        self.optimizer, self.k = optimizer, k
+        self.fault_step = fault[1] if fault and fault[0] == rank else None
+        self.loss_sum = tf.Variable(0.0, dtype=tf.float64, trainable=False)
+        self.samples = tf.Variable(0.0, dtype=tf.float64, trainable=False)
+        self.__name__ = "sparse_categorical_crossentropy"
+
+    def __call__(self, y_true, y_pred):
+        loss = self.base(y_true, y_pred)
+        if self.fault_step is not None:
+            hit = tf.equal(self.optimizer.iterations // self.k, self.fault_step)
+            # A factor, not tf.where(hit, loss * nan, loss): that one's gradient is NaN always.
+            loss = loss * tf.where(hit, float("nan"), 1.0)
+        finite = tf.math.is_finite(loss)
+        n = tf.cast(tf.shape(y_true)[0], tf.float64)
+        self.loss_sum.assign_add(tf.where(finite, tf.cast(loss, tf.float64) * n, 0.0))
+        self.samples.assign_add(tf.where(finite, n, 0.0))
+        return loss
+
+    def reset(self) -> None:
+        self.loss_sum.assign(0.0)
+        self.samples.assign(0.0)
+
+
+def _resume(cfg: TrainConfig, info, model, optimizer) -> dict:
+    """On rank 0, load the checkpoint into ``model``/``optimizer`` (before :func:`distribute`
+    broadcasts them) and share its record with every rank.
+
+    The optimizer's learning rate is the base ``--lr`` (``distribute`` scales it for this run's
+    world size, which may differ from the checkpoint's).
+
+    Raises:
+        SystemExit: no usable checkpoint, or one made for another model (on every rank, so none
+            waits for the others).
+    """
+    meta = None
+    if info.is_root:
+        try:
+            payload = checkpoint.load(cfg.output_dir)
+            model.set_weights(payload["model"])
+            optimizer.build(model.trainable_variables)
+            if len(payload["optimizer"]) != len(optimizer.variables):
+                raise ValueError(f"the checkpoint holds {len(payload['optimizer'])} optimizer "
+                                 f"variables, this optimizer has {len(optimizer.variables)}")
+            for var, value in zip(optimizer.variables, payload["optimizer"]):
+                var.assign(value)
+            record = payload["record"]
+            runtime.set_python_numpy_rng_state(record["rng"])
+            meta = {k: record[k] for k in ("epoch", "step", "size", "global_batch", "metrics")}
+        except (CheckpointError, ValueError) as exc:
+            meta = {"error": str(exc)}
+    meta = hvd_tf.broadcast_object(meta, root_rank=0, name="hvdtrain.resume")
+    if "error" in meta:
+        raise SystemExit(f"hvdtrain: error: --resume: {meta['error']}")
+    return meta
 
 
 def evaluate(model: tf.keras.Model, x: np.ndarray, y: np.ndarray, rank: int, size: int,
@@ -59,24 +129,39 @@ class _EpochEnd(tf.keras.callbacks.Callback):
         self.s = trainer_state
 
     def on_epoch_begin(self, epoch, logs=None):
+        self.s["loss"].reset()
         self.start = time.perf_counter()
         self.iterations = int(self.model.optimizer.iterations.numpy())
         self.lr = self.s["warmup"].lr_at(self.iterations // self.s["k"])
 
     def on_epoch_end(self, epoch, logs=None):
         s = self.s
-        seconds = time.perf_counter() - self.start
-        seconds = adapter.allreduce_sums({"seconds": seconds}, name="hvdtrain.time")["seconds"]
-        seconds /= s["info"].size
-        test_loss, test_acc = evaluate(self.model, s["x_test"], s["y_test"], s["info"].rank,
-                                       s["info"].size)
-        micro = int(self.model.optimizer.iterations.numpy()) - self.iterations
-        samples = micro * s["batch_size"] * s["info"].size
-        if s["info"].is_root:
-            save_checkpoint(s["out"] / CHECKPOINT_FILE, self.model)
-        s["report"].add(EpochMetrics(epoch + 1, float(logs["loss"]), float(logs["accuracy"]),
-                                     test_loss, test_acc, self.lr, micro // s["k"], seconds,
-                                     samples / seconds))
+        info, optimizer = s["info"], self.model.optimizer
+        totals = adapter.allreduce_sums({"seconds": time.perf_counter() - self.start,
+                                         "loss": float(s["loss"].loss_sum.numpy()),
+                                         "n": float(s["loss"].samples.numpy())},
+                                        name="hvdtrain.train")
+        seconds = totals["seconds"] / info.size  # mean wall time over ranks
+        test_loss, test_acc = evaluate(self.model, s["x_test"], s["y_test"], info.rank, info.size)
+        iterations = int(optimizer.iterations.numpy())
+        micro = iterations - self.iterations
+        samples = micro * s["batch_size"] * info.size
+        skipped = int(s["guard"].skipped.numpy()) if s["guard"] is not None else 0
+        steps = micro // s["k"] - (skipped - s["report"].header["skipped_steps"])
+        s["report"].header["skipped_steps"] = skipped
+        metrics = EpochMetrics(epoch + 1, totals["loss"] / max(totals["n"], 1.0),
+                               float(logs["accuracy"]), test_loss, test_acc, self.lr, steps,
+                               seconds, samples / seconds)
+        if info.is_root:
+            checkpoint.save(s["out"], self.model.get_weights(),
+                            [v.numpy() for v in optimizer.variables],
+                            {"epoch": epoch + 1, "step": iterations // s["k"], "size": info.size,
+                             "global_batch": s["cfg"].global_batch(info.size),
+                             "config": s["cfg"].to_dict(),
+                             "rng": runtime.python_numpy_rng_state(),
+                             "metrics": [vars(e) for e in s["report"].epochs + [metrics]]})
+            save_weights(s["out"] / WEIGHTS_FILE, self.model)
+        s["report"].add(metrics)
 
 
 def fit(cfg: TrainConfig) -> dict:
@@ -84,8 +169,16 @@ def fit(cfg: TrainConfig) -> dict:
 
     An epoch is :func:`adapter.micro_batches_per_epoch` micro-batches of a repeated, per-epoch
     reshuffled shard (a whole number of optimizer steps). Rank 0 logs, shows Keras's progress bar,
-    and writes ``checkpoint.weights.h5`` and ``metrics.json`` (the same schema as the PyTorch
-    trainer) after every epoch, atomically.
+    and writes ``checkpoint.npz`` (keeping the previous one as ``checkpoint.prev.npz``),
+    ``checkpoint.weights.h5`` and ``metrics.json`` (the same schema as the PyTorch trainer) after
+    every epoch, atomically. With ``cfg.resume`` it continues from ``checkpoint.npz``: weights,
+    optimizer slots, step, and the position in the data stream (exact at the same world size). A
+    NaN/Inf loss on any rank skips that optimizer step on every rank, or stops the job
+    (``cfg.on_nonfinite``; :class:`~hvdtrain.keras.adapter.NonFiniteGuard`).
+
+    Raises:
+        runtime.NonFiniteLossError: a non-finite loss with ``on_nonfinite="stop"`` (every rank).
+        SystemExit: ``--resume`` without a usable checkpoint.
 
     Returns:
         The run report (the content of ``metrics.json``), on every rank.
@@ -99,27 +192,40 @@ def fit(cfg: TrainConfig) -> dict:
     k = cfg.backward_passes_per_step
     micro_per_epoch = adapter.micro_batches_per_epoch(len(x_train), cfg.batch_size, info.size, k)
     steps_per_epoch = micro_per_epoch // k
-    dataset = adapter.shard_dataset(x_train, split.y_train, batch_size=cfg.batch_size,
-                                    seed=cfg.seed, info=info)
 
     model = build_model(split.num_classes, x_train.shape[1])
     optimizer = tf.keras.optimizers.SGD(learning_rate=cfg.lr, momentum=cfg.momentum)
+    resumed = _resume(cfg, info, model, optimizer) if cfg.resume else None
     model, optimizer = adapter.distribute(model, optimizer, backward_passes_per_step=k,
                                           lr_scaling=cfg.lr_scaling, compression=cfg.compression,
-                                          op=cfg.op)
-    model.compile(optimizer=optimizer,
-                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+                                          op=cfg.op, on_nonfinite=cfg.on_nonfinite)
+    start_epoch = resumed["epoch"] if resumed else 0
+    # The schedule position and the data stream at this run's world size (the same as the
+    # checkpoint's when the size did not change).
+    optimizer.iterations.assign(start_epoch * micro_per_epoch)
+    dataset = adapter.shard_dataset(x_train, split.y_train, batch_size=cfg.batch_size,
+                                    seed=cfg.seed, info=info).skip(start_epoch * micro_per_epoch)
+    train_loss = TrainLoss(optimizer, k, info.rank, cfg.fault())
+    model.compile(optimizer=optimizer, loss=train_loss, metrics=["accuracy"])
     out = Path(cfg.output_dir)
     header = run_header("keras", cfg, info, len(x_train), len(x_test), steps_per_epoch,
                         {"tensorflow": tf.__version__, "horovod": horovod.__version__})
+    header["resumed_from"] = ({k2: resumed[k2] for k2 in ("epoch", "size", "global_batch")}
+                              if resumed else None)
+    header["skipped_steps"] = 0
     report = RunReport(out, header, is_root=info.is_root)
+    if resumed:
+        report.epochs = [EpochMetrics(**e) for e in resumed["metrics"]]
+        log.info("resumed after epoch %d (made with %d ranks, global batch %d)",
+                 resumed["epoch"], resumed["size"], resumed["global_batch"])
     callbacks = adapter.callbacks(optimizer, warmup_epochs=cfg.warmup_epochs,
                                   steps_per_epoch=steps_per_epoch)
     state = {"info": info, "x_test": x_test, "y_test": split.y_test, "out": out, "k": k,
-             "batch_size": cfg.batch_size, "report": report, "warmup": callbacks[-1]}
-    model.fit(dataset, epochs=cfg.epochs, steps_per_epoch=micro_per_epoch,
-              callbacks=[*callbacks, _EpochEnd(state)],
+             "batch_size": cfg.batch_size, "report": report, "warmup": callbacks[-1],
+             "loss": train_loss, "cfg": cfg, "guard": getattr(optimizer, "hvdtrain_nonfinite",
+                                                              None)}
+    model.fit(dataset, initial_epoch=start_epoch, epochs=cfg.epochs,
+              steps_per_epoch=micro_per_epoch, callbacks=[*callbacks, _EpochEnd(state)],
               verbose=1 if (info.is_root and cfg.progress) else 0)
     # Every rank must hold the same weights; a divergence would be a bug worth knowing about.
     checksum = float(sum(np.asarray(w, dtype=np.float64).sum() for w in model.get_weights()))

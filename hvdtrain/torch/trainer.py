@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from tqdm import tqdm
 
-from hvdtrain import data, schedule
+from hvdtrain import data, runtime, schedule
 from hvdtrain.accumulation import micro_batches
 from hvdtrain.config import TrainConfig
 from hvdtrain.report import EpochMetrics, RunReport, run_header, setup_logging
@@ -27,10 +27,6 @@ from hvdtrain.torch import adapter, checkpoint
 from hvdtrain.torch.models import build_model
 
 log = logging.getLogger("hvdtrain")
-
-
-class NonFiniteLossError(RuntimeError):
-    """A loss was NaN/Inf on some rank and ``--on-nonfinite stop`` was chosen."""
 
 
 def _resume(cfg: TrainConfig, info, model, optimizer) -> dict | None:
@@ -91,7 +87,7 @@ def fit(cfg: TrainConfig) -> dict:
     (``cfg.on_nonfinite``).
 
     Raises:
-        NonFiniteLossError: a non-finite loss with ``on_nonfinite="stop"`` (on every rank).
+        runtime.NonFiniteLossError: a non-finite loss with ``on_nonfinite="stop"`` (on every rank).
         SystemExit: ``--resume`` without a usable checkpoint.
 
     Returns:
@@ -162,11 +158,9 @@ def fit(cfg: TrainConfig) -> dict:
                 optimizer.synchronize()  # gradients all-reduced; now decide on every rank alike
                 bad_ranks = adapter.ranks_where(nonfinite, name="hvdtrain.nonfinite")
                 if bad_ranks:
-                    message = (f"non-finite loss on rank(s) {bad_ranks} at optimizer step {step} "
-                               f"(epoch {epoch + 1})")
+                    message = runtime.nonfinite_message(bad_ranks, step, epoch + 1)
                     if cfg.on_nonfinite == "stop":
-                        raise NonFiniteLossError(message + "; stopped (--on-nonfinite stop). "
-                                                 "Lower --lr or check the data")
+                        raise runtime.nonfinite_stop(message)
                     log.warning("%s: step skipped on all ranks", message)
                     skipped += 1
                 else:
