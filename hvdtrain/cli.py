@@ -59,8 +59,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fault-nan-at", default=d.fault_nan_at, metavar="RANK:STEP",
                         help="fault drill: make RANK's loss NaN at optimizer STEP")
     parser.add_argument("--elastic", action="store_true",
-                        help="Horovod Elastic training (torch; launch with hvdtrain launch "
-                             "--elastic)")
+                        help="Horovod Elastic training (launch with hvdtrain launch --elastic)")
     parser.add_argument("--commit-every", type=int, default=d.commit_every,
                         help="elastic: commit the state every N optimizer steps")
 
@@ -73,8 +72,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = TrainConfig(**fields).validate()
     except ConfigError as exc:
         return _fail(str(exc))
-    if cfg.elastic:
+    if cfg.elastic and cfg.framework == "torch":
         from hvdtrain.torch.elastic import fit_elastic as fit
+    elif cfg.elastic:
+        from hvdtrain.keras.elastic import fit_elastic as fit
     elif cfg.framework == "torch":
         from hvdtrain.torch.trainer import fit
     else:

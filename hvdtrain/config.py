@@ -48,7 +48,7 @@ class TrainConfig:
             on every rank, or ``"stop"`` the job (PyTorch).
         fault_nan_at: fault injection for drills and tests, ``"RANK:STEP"``: that rank's loss
             becomes NaN at that optimizer step (0-based); empty for none.
-        elastic: train with Horovod Elastic (PyTorch; launch with ``hvdtrain launch --elastic``).
+        elastic: train with Horovod Elastic (launch with ``hvdtrain launch --elastic``).
         commit_every: elastic: commit the training state every this many optimizer steps.
     """
     framework: str = "torch"
@@ -119,8 +119,6 @@ class TrainConfig:
         if self.fault_nan_at:
             self.fault()
         if self.elastic:
-            if self.framework != "torch":
-                raise ConfigError("--elastic is available with --framework torch only")
             if self.backward_passes_per_step != 1 or self.resume or self.fault_nan_at:
                 raise ConfigError("--elastic trains with -k 1 and without --resume or "
                                   "--fault-nan-at (it keeps its own state); drop those options")

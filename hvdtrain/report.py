@@ -118,3 +118,24 @@ class RunReport:
                 "epochs": [asdict(e) for e in self.epochs],
                 "final_test_accuracy": self.epochs[-1].test_accuracy if self.epochs else None,
                 "samples_per_sec": total_samples / total_seconds if total_seconds else None}
+
+
+ELASTIC_EXTRA = ("samples", "sizes")
+
+
+def write_elastic_report(output_dir: str | os.PathLike, header: dict, history: list[dict],
+                         size: int, is_root: bool) -> dict:
+    """``metrics.json`` of an elastic run, built from the committed epoch history (each entry an
+    :class:`EpochMetrics` dict plus ``samples``: training samples committed in that epoch over all
+    workers, and ``sizes``: the world sizes it ran at). ``size`` is the current world size.
+    Rank 0 writes it atomically; every rank gets it back."""
+    report = RunReport(output_dir, header, is_root=is_root)
+    report.epochs = [EpochMetrics(**{k: v for k, v in e.items() if k not in ELASTIC_EXTRA})
+                     for e in history]
+    result = report.to_dict()
+    result["size"] = size
+    for epoch, extra in zip(result["epochs"], history):
+        epoch.update({k: extra[k] for k in ELASTIC_EXTRA})
+    if is_root:
+        write_json(report.path, result)
+    return result

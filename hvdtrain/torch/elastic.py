@@ -29,11 +29,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hvdtrain import data, runtime, schedule
 from hvdtrain.config import TrainConfig
-from hvdtrain.report import EpochMetrics, RunReport, run_header, setup_logging
+from hvdtrain.report import EpochMetrics, run_header, setup_logging, write_elastic_report
 from hvdtrain.torch import adapter, checkpoint
 from hvdtrain.torch.models import build_model
 from hvdtrain.torch.trainer import evaluate
-from hvdtrain.files import write_json
 
 log = logging.getLogger("hvdtrain")
 
@@ -90,18 +89,7 @@ def fit_elastic(cfg: TrainConfig) -> dict:
     header["elastic"] = True
 
     def write_report() -> dict:
-        """metrics.json from the committed history (rank 0 writes; every rank returns it)."""
-        report = RunReport(out, header, is_root=hvd.rank() == 0)
-        report.epochs = [EpochMetrics(**{k: v for k, v in e.items()
-                                         if k not in ("samples", "sizes")})
-                         for e in state.history]
-        result = report.to_dict()
-        result["size"] = hvd.size()
-        for epoch, extra in zip(result["epochs"], state.history):
-            epoch["samples"], epoch["sizes"] = extra["samples"], extra["sizes"]
-        if hvd.rank() == 0:
-            write_json(report.path, result)
-        return result
+        return write_elastic_report(out, header, state.history, hvd.size(), hvd.rank() == 0)
 
     @hvd.elastic.run
     def train(state) -> None:

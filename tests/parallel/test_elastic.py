@@ -1,5 +1,5 @@
-"""Horovod Elastic under real failures: three workers on three test hosts, one is killed, training
-goes on with two; a host added through the discovery script joins."""
+"""Horovod Elastic under real failures, for both trainers: three workers on three test hosts, one is
+killed, training goes on with two; a host added through the discovery script joins."""
 import json
 import os
 import signal
@@ -35,7 +35,8 @@ def worker_pid(host):
     return None
 
 
-def test_elastic_survives_a_lost_worker_and_takes_a_new_one(tmp_path):
+@pytest.mark.parametrize("framework", ["torch", "keras"])
+def test_elastic_survives_a_lost_worker_and_takes_a_new_one(tmp_path, framework):
     with SshTestHosts(count=4, slots=1) as hosts:
         first, spare = hosts.addresses[:3], hosts.addresses[3]
         available = tmp_path / "available"
@@ -48,7 +49,7 @@ def test_elastic_survives_a_lost_worker_and_takes_a_new_one(tmp_path):
                 "-np", "3", "--host-discovery-script", str(discover), "--ssh-port",
                 str(hosts.port), "--ssh-identity-file", str(hosts.identity),
                 "--network-interfaces", "lo", "--", "hvdtrain", "train", "--elastic",
-                "--epochs", "12", "--dataset", "digits", "--commit-every", "5",
+                "--framework", framework, "--epochs", "12", "--dataset", "digits", "--commit-every", "5",
                 "--output-dir", str(out), "--no-progress"]
         proc = subprocess.Popen(argv, env=job_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)

@@ -1,5 +1,5 @@
 """Faults under real `horovodrun` jobs: a killed rank, a killed job resumed, a corrupt checkpoint,
-a NaN on one rank, data that does not divide among the ranks."""
+a NaN on one rank, data that does not divide among the ranks; both trainers where both apply."""
 import json
 import os
 import signal
@@ -15,10 +15,29 @@ from jobs import horovodrun, job_env, run
 
 CRASH_BOUND_S = 60  # the job must be gone this long after a rank dies (measured: see README)
 SLOW = ["--dataset", "synthetic", "--synthetic-samples", "20000", "--no-progress"]
+FRAMEWORKS = pytest.mark.parametrize("framework", ["torch", "keras"])
+CHECKPOINT = {"torch": ("checkpoint.pt", "checkpoint.prev.pt"),
+              "keras": ("checkpoint.npz", "checkpoint.prev.npz")}
 
 
-def train(out, *args, np_=2):
-    return horovodrun(np_, "hvdtrain", "train", "--output-dir", str(out), *args)
+def train(out, *args, np_=2, framework="torch"):
+    return horovodrun(np_, "hvdtrain", "train", "--framework", framework, "--output-dir",
+                      str(out), *args)
+
+
+def load_checkpoint(out, framework):
+    """``(record, flat float64 weights)`` of the run's newest checkpoint, read the way hvdtrain
+    reads it (torch: weights_only=True; keras: no pickle)."""
+    path = Path(out) / CHECKPOINT[framework][0]
+    if framework == "torch":
+        ckpt = torch.load(path, weights_only=True)
+        weights = [v.reshape(-1).double().numpy() for v in ckpt["model"].values()]
+        return ckpt, np.concatenate(weights)
+    with np.load(path, allow_pickle=False) as archive:
+        record = json.loads(str(archive["record"]))
+        weights = [archive[n].reshape(-1).astype(np.float64)
+                   for n in sorted(archive.files) if n.startswith("model/")]
+    return record, np.concatenate(weights)
 
 
 def metrics(out):
@@ -61,8 +80,9 @@ def start(argv):
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def test_killed_rank_ends_the_job_with_its_rank_named(tmp_path):
-    proc = start(train(tmp_path, "--epochs", "200", *SLOW))
+@FRAMEWORKS
+def test_killed_rank_ends_the_job_with_its_rank_named(tmp_path, framework):
+    proc = start(train(tmp_path, "--epochs", "200", *SLOW, framework=framework))
     try:
         wait_for_epoch(tmp_path, 1, proc)
         victim = [pid for pid, rank in pids_of(str(tmp_path)).items() if rank == "1"]
@@ -79,19 +99,16 @@ def test_killed_rank_ends_the_job_with_its_rank_named(tmp_path):
     assert "rank 1" in output and "signal 9" in output, output[-2000:]
     time.sleep(1)
     assert pids_of(str(tmp_path)) == {}, "processes were left behind"
-    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
-    assert ckpt["epoch"] >= 1 and ckpt["size"] == 2
+    record, weights = load_checkpoint(tmp_path, framework)
+    assert record["epoch"] >= 1 and record["size"] == 2 and np.isfinite(weights).all()
 
 
-def final_weights(out):
-    ckpt = torch.load(Path(out) / "checkpoint.pt", weights_only=True)
-    return torch.cat([v.reshape(-1).double() for v in ckpt["model"].values()]).numpy()
-
-
-def test_job_killed_after_epoch_2_resumes_to_the_same_weights(tmp_path):
+@FRAMEWORKS
+def test_job_killed_after_epoch_2_resumes_to_the_same_weights(tmp_path, framework):
     whole, broken = tmp_path / "whole", tmp_path / "broken"
-    run(train(whole, "--epochs", "4", *SLOW))
-    proc = start(train(broken, "--epochs", "4", *SLOW))
+    args = [*SLOW, "--epochs", "4", "-k", "2"]
+    run(train(whole, *args, framework=framework))
+    proc = start(train(broken, *args, framework=framework))
     try:
         wait_for_epoch(broken, 2, proc)
         os.killpg(proc.pid, signal.SIGKILL)  # the whole job, launcher included
@@ -104,18 +121,21 @@ def test_job_killed_after_epoch_2_resumes_to_the_same_weights(tmp_path):
         os.kill(pid, signal.SIGKILL)
     done = len(metrics(broken)["epochs"])
     assert 2 <= done < 4, "the kill came too late to test resuming"
-    run(train(broken, "--epochs", "4", "--resume", *SLOW))
+    run(train(broken, *args, "--resume", framework=framework))
     resumed, reference = metrics(broken), metrics(whole)
     assert resumed["resumed_from"]["epoch"] >= 2 and len(resumed["epochs"]) == 4
-    assert np.abs(final_weights(broken) - final_weights(whole)).max() <= 1e-6
+    diff = np.abs(load_checkpoint(broken, framework)[1] - load_checkpoint(whole, framework)[1])
+    assert diff.max() <= 1e-6
     for a, b in zip(resumed["epochs"], reference["epochs"]):
         assert a["test_accuracy"] == pytest.approx(b["test_accuracy"], abs=1e-9)
 
 
-def test_resume_at_another_world_size_rescales_the_lr(tmp_path):
-    run(train(tmp_path, "--epochs", "2", "--warmup-epochs", "0", "--no-progress"))
+@FRAMEWORKS
+def test_resume_at_another_world_size_rescales_the_lr(tmp_path, framework):
+    run(train(tmp_path, "--epochs", "2", "--warmup-epochs", "0", "--no-progress",
+              framework=framework))
     run(train(tmp_path, "--epochs", "3", "--warmup-epochs", "0", "--resume", "--no-progress",
-              np_=1))
+              np_=1, framework=framework))
     m = metrics(tmp_path)
     assert m["resumed_from"] == {"epoch": 2, "size": 2, "global_batch": 32}
     assert m["size"] == 1 and m["global_batch"] == 16
@@ -123,24 +143,29 @@ def test_resume_at_another_world_size_rescales_the_lr(tmp_path):
     assert lrs[:2] == pytest.approx([0.04, 0.04]) and lrs[2] == pytest.approx(0.02)
 
 
-def test_corrupt_checkpoint_falls_back_to_the_previous_one(tmp_path):
-    run(train(tmp_path, "--epochs", "3", "--no-progress"))
-    ckpt = tmp_path / "checkpoint.pt"
+@FRAMEWORKS
+def test_corrupt_checkpoint_falls_back_to_the_previous_one(tmp_path, framework):
+    newest, previous = CHECKPOINT[framework]
+    run(train(tmp_path, "--epochs", "3", "--no-progress", framework=framework))
+    ckpt = tmp_path / newest
     ckpt.write_bytes(ckpt.read_bytes()[: ckpt.stat().st_size // 2])  # truncated
-    proc = run(train(tmp_path, "--epochs", "4", "--resume", "--no-progress"))
-    assert "checkpoint.pt is unreadable" in proc.stdout + proc.stderr
+    proc = run(train(tmp_path, "--epochs", "4", "--resume", "--no-progress", framework=framework))
+    assert f"{newest} is unreadable" in proc.stdout + proc.stderr
     m = metrics(tmp_path)
     assert m["resumed_from"]["epoch"] == 2 and len(m["epochs"]) == 4
     # Neither file usable: a clear error, non-zero exit, nothing trained.
-    (tmp_path / "checkpoint.pt").write_bytes(b"garbage")
-    (tmp_path / "checkpoint.prev.pt").write_bytes(b"garbage")
-    proc = run(train(tmp_path, "--epochs", "5", "--resume", "--no-progress"), check=False)
+    (tmp_path / newest).write_bytes(b"garbage")
+    (tmp_path / previous).write_bytes(b"garbage")
+    proc = run(train(tmp_path, "--epochs", "5", "--resume", "--no-progress",
+                     framework=framework), check=False)
     assert proc.returncode != 0
     assert "--resume: no usable checkpoint" in proc.stdout + proc.stderr
 
 
-def test_nan_on_one_rank_skips_the_step_on_all_ranks(tmp_path):
-    proc = run(train(tmp_path, "--epochs", "2", "--fault-nan-at", "1:5", "--no-progress"))
+@FRAMEWORKS
+def test_nan_on_one_rank_skips_the_step_on_all_ranks(tmp_path, framework):
+    proc = run(train(tmp_path, "--epochs", "2", "--fault-nan-at", "1:5", "--no-progress",
+                     framework=framework))
     assert "non-finite loss on rank(s) [1] at optimizer step 5" in proc.stdout + proc.stderr
     m = metrics(tmp_path)
     assert m["skipped_steps"] == 1 and m["ranks_agree"] is True
@@ -148,17 +173,20 @@ def test_nan_on_one_rank_skips_the_step_on_all_ranks(tmp_path):
     assert m["epochs"][0]["optimizer_steps"] == 44  # 45 per epoch, one skipped
 
 
-def test_nan_with_stop_ends_the_job_with_a_clear_message(tmp_path):
-    proc = run(train(tmp_path, "--epochs", "2", "--fault-nan-at", "0:3", "--on-nonfinite",
-                     "stop", "--no-progress"), check=False)
+@FRAMEWORKS
+def test_nan_with_stop_ends_the_job_with_a_clear_message(tmp_path, framework):
+    proc = run(train(tmp_path, "--epochs", "2", "-k", "2", "--fault-nan-at", "0:3",
+                     "--on-nonfinite", "stop", "--no-progress", framework=framework), check=False)
     assert proc.returncode != 0
     assert "non-finite loss on rank(s) [0] at optimizer step 3" in proc.stdout + proc.stderr
     assert "--on-nonfinite stop" in proc.stdout + proc.stderr
 
 
-def test_data_that_does_not_divide_among_ranks(tmp_path):
-    # 1001 samples over 3 ranks (oversubscribed): DistributedSampler pads to equal shards.
+@FRAMEWORKS
+def test_data_that_does_not_divide_among_ranks(tmp_path, framework):
+    # 1001 samples over 3 ranks (oversubscribed). torch: DistributedSampler pads to equal shards;
+    # keras: every rank runs the same number of micro-batches of its repeated shard.
     run(train(tmp_path, "--dataset", "synthetic", "--synthetic-samples", "1001", "--epochs", "2",
-              "--no-progress", np_=3))
+              "--no-progress", np_=3, framework=framework))
     m = metrics(tmp_path)
     assert m["size"] == 3 and m["ranks_agree"] is True and len(m["epochs"]) == 2

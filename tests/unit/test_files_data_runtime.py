@@ -60,3 +60,37 @@ def test_rank_seed_and_launcher_env(monkeypatch):
     assert runtime.launcher_rank() == 3
     with pytest.raises(ValueError, match="local_size must be >= 1"):
         runtime.thread_budget(0)
+
+
+def test_checkpoint_generations_fall_back_to_the_previous_one(tmp_path):
+    from hvdtrain.files import CheckpointError, load_newest, save_rotating
+    current, previous = tmp_path / "c.bin", tmp_path / "c.prev.bin"
+
+    def read(path):
+        text = path.read_text()
+        if not text.startswith("ok"):
+            raise ValueError("bad magic")
+        return text
+
+    for n in (1, 2):
+        save_rotating(current, previous, lambda h, n=n: h.write(f"ok{n}".encode()))
+    assert (current.read_text(), previous.read_text()) == ("ok2", "ok1")
+    assert load_newest([current, previous], read) == (current, "ok2")
+    current.write_bytes(b"\x00garbage")
+    assert load_newest([current, previous], read) == (previous, "ok1")
+    previous.unlink()
+    with pytest.raises(CheckpointError, match=r"c.bin: unreadable \(ValueError: bad magic\); "
+                                              r".*c.prev.bin: missing"):
+        load_newest([current, previous], read)
+
+
+def test_python_numpy_rng_state_round_trips_through_json():
+    import random
+    np.random.seed(3)
+    random.seed(3)
+    state = json.loads(json.dumps(runtime.python_numpy_rng_state()))
+    expected = (np.random.rand(3), random.random())
+    np.random.rand(7)
+    random.random()
+    runtime.set_python_numpy_rng_state(state)
+    assert (np.random.rand(3) == expected[0]).all() and random.random() == expected[1]

@@ -1,0 +1,151 @@
+"""``hvdtrain train --framework keras --elastic``: Keras training that survives workers leaving and
+joining, with Horovod Elastic for TensorFlow 2 (``hvd.elastic.run``, ``hvd.elastic.KerasState``).
+The same behaviour and launch as :mod:`hvdtrain.torch.elastic`::
+
+    hvdtrain launch --elastic --min-np 1 --max-np 3 --host-discovery-script ./discover.sh \\
+        -np 3 -- hvdtrain train --framework keras --elastic
+
+Progress is committed every ``--commit-every`` optimizer steps and at each epoch's end: when a
+worker fails, every survivor rolls back to the last commit (weights, optimizer slots, position in
+the epoch, counters) and carries on. Each epoch visits a permutation of the training set fixed by
+``(seed, epoch)``; the committed position says how many of its samples are done, and the rest is
+split among the current workers (strided, padded to equal length like Horovod's
+``ElasticSampler``), so committed work is neither repeated nor lost. The learning rate is
+rescaled for the new world size at every reset (``schedule.scale_factor``).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import horovod
+import horovod.tensorflow.keras as hvd
+import numpy as np
+import tensorflow as tf
+
+from hvdtrain import data, runtime, schedule
+from hvdtrain.config import TrainConfig
+from hvdtrain.keras import adapter, checkpoint
+from hvdtrain.keras.models import build_model
+from hvdtrain.keras.trainer import evaluate
+from hvdtrain.report import EpochMetrics, run_header, setup_logging, write_elastic_report
+
+log = logging.getLogger("hvdtrain")
+
+
+def epoch_shard(samples: int, done: int, seed: int, epoch: int, rank: int,
+                size: int) -> np.ndarray:
+    """This rank's sample indices for the rest of an epoch.
+
+    The epoch's order is ``numpy.random.default_rng((seed, epoch)).permutation(samples)``; its
+    first ``done`` entries are already trained on. The remainder is padded (by wrapping around)
+    to a multiple of ``size`` and split strided: rank r takes entries ``r, r + size, ...``. So
+    after s steps of local batch B the workers together have consumed exactly the first
+    ``s x B x size`` entries of the remainder, whatever ``size`` is.
+
+    Returns:
+        int64 indices, ``ceil((samples - done) / size)`` of them (0 when the epoch is done).
+    """
+    remaining = np.random.default_rng((seed, epoch)).permutation(samples)[done:]
+    if len(remaining) == 0:
+        return remaining.astype(np.int64)
+    padded = np.resize(remaining, math.ceil(len(remaining) / size) * size)
+    return padded[rank::size].astype(np.int64)
+
+
+def fit_elastic(cfg: TrainConfig) -> dict:
+    """Train like :func:`hvdtrain.keras.trainer.fit`, elastically (k = 1, linear/sqrt/none LR
+    scaling at the current size, no warmup; ``model.train_on_batch`` per step).
+
+    ``metrics.json`` gains per epoch ``samples`` (training samples committed in that epoch, over
+    all workers: the split's size, plus at most ``size - 1`` padding samples per reset) and
+    ``sizes`` (the world sizes the epoch ran at).
+
+    Returns:
+        The run report, on every rank.
+    """
+    info = adapter.init(cfg.seed)
+    setup_logging(info.rank)
+    split = data.load(cfg.dataset, test_fraction=cfg.test_fraction,
+                      synthetic_samples=cfg.synthetic_samples)
+    x_train = split.x_train.transpose(0, 2, 3, 1)  # NCHW -> NHWC
+    x_test = split.x_test.transpose(0, 2, 3, 1)
+
+    model = build_model(split.num_classes, x_train.shape[1])
+    optimizer = hvd.DistributedOptimizer(
+        tf.keras.optimizers.SGD(learning_rate=cfg.lr, momentum=cfg.momentum))
+    optimizer.build(model.trainable_variables)  # KerasState saves the slots: they must exist
+    model.compile(optimizer=optimizer,
+                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    out = Path(cfg.output_dir)
+
+    def set_lr() -> None:
+        optimizer.learning_rate = schedule.scaled_lr(cfg.lr, cfg.lr_scaling, hvd.size())
+
+    state = hvd.elastic.KerasState(model, optimizer, epoch=0, batch=0, done=0, samples=0,
+                                   loss_sum=0.0, correct=0.0, sizes=[], history=[])
+
+    def on_reset() -> None:
+        set_lr()
+        log.warning("workers changed: now %d (lr %g)", hvd.size(),
+                    float(optimizer.learning_rate.numpy()))
+
+    state.register_reset_callbacks([on_reset])
+    steps_per_epoch = math.ceil(len(x_train) / (cfg.batch_size * info.size))
+    header = run_header("keras", cfg, info, len(x_train), len(x_test), steps_per_epoch,
+                        {"tensorflow": tf.__version__, "horovod": horovod.__version__})
+    header["elastic"] = True
+
+    def write_report() -> dict:
+        return write_elastic_report(out, header, state.history, hvd.size(), hvd.rank() == 0)
+
+    @hvd.elastic.run
+    def train(state) -> None:
+        set_lr()
+        while state.epoch < cfg.epochs:
+            start = time.perf_counter()
+            if hvd.size() not in state.sizes:
+                state.sizes = state.sizes + [hvd.size()]
+            mine = epoch_shard(len(x_train), state.done, cfg.seed, state.epoch, hvd.rank(),
+                               hvd.size())
+            for first in range(0, len(mine), cfg.batch_size):
+                idx = mine[first:first + cfg.batch_size]
+                loss, accuracy = model.train_on_batch(x_train[idx], split.y_train[idx])
+                totals = adapter.allreduce_sums(
+                    {"n": len(idx), "loss": loss * len(idx), "correct": accuracy * len(idx)},
+                    name="hvdtrain.elastic")
+                state.samples += int(totals["n"])
+                state.done = min(state.done + int(totals["n"]), len(x_train))
+                state.loss_sum += totals["loss"]
+                state.correct += totals["correct"]
+                state.batch += 1
+                if state.batch % cfg.commit_every == 0:
+                    state.commit()
+            test_loss, test_acc = evaluate(model, x_test, split.y_test, hvd.rank(), hvd.size())
+            seconds = time.perf_counter() - start
+            metrics = EpochMetrics(state.epoch + 1, state.loss_sum / state.samples,
+                                   state.correct / state.samples, test_loss, test_acc,
+                                   float(optimizer.learning_rate.numpy()), state.batch, seconds,
+                                   state.samples / seconds)
+            state.history = state.history + [{**vars(metrics), "samples": state.samples,
+                                              "sizes": list(state.sizes)}]
+            if hvd.rank() == 0:
+                log.info("epoch %d: %d samples at sizes %s | test acc %.4f", state.epoch + 1,
+                         state.samples, state.sizes, test_acc)
+                checkpoint.save(out, model.get_weights(), [v.numpy() for v in optimizer.variables],
+                                {"epoch": state.epoch + 1, "step": 0, "size": hvd.size(),
+                                 "global_batch": cfg.global_batch(hvd.size()),
+                                 "config": cfg.to_dict(), "rng": runtime.python_numpy_rng_state(),
+                                 "metrics": state.history})
+                write_report()
+            state.epoch += 1
+            state.batch, state.done, state.samples = 0, 0, 0
+            state.loss_sum, state.correct = 0.0, 0.0
+            state.sizes = []
+            state.commit()
+
+    train(state)
+    return write_report()
