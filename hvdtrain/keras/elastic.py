@@ -25,11 +25,11 @@ import horovod.tensorflow.keras as hvd
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain import data, runtime, schedule
+from hvdtrain import runtime, schedule
 from hvdtrain.config import TrainConfig
 from hvdtrain.keras import adapter, checkpoint
 from hvdtrain.keras.models import build_model
-from hvdtrain.keras.trainer import evaluate
+from hvdtrain.keras.trainer import evaluate, load_nhwc
 from hvdtrain.report import EpochMetrics, run_header, setup_logging, write_elastic_report
 
 log = logging.getLogger("hvdtrain")
@@ -68,10 +68,7 @@ def fit_elastic(cfg: TrainConfig) -> dict:
     """
     info = adapter.init(cfg.seed)
     setup_logging(info.rank)
-    split = data.load(cfg.dataset, test_fraction=cfg.test_fraction,
-                      synthetic_samples=cfg.synthetic_samples)
-    x_train = split.x_train.transpose(0, 2, 3, 1)  # NCHW -> NHWC
-    x_test = split.x_test.transpose(0, 2, 3, 1)
+    split, x_train, x_test = load_nhwc(cfg)
 
     model = build_model(split.num_classes, x_train.shape[1])
     optimizer = hvd.DistributedOptimizer(

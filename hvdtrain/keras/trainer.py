@@ -104,6 +104,14 @@ def _resume(cfg: TrainConfig, info, model, optimizer) -> dict:
     return meta
 
 
+def load_nhwc(cfg: TrainConfig) -> tuple[data.Split, np.ndarray, np.ndarray]:
+    """``cfg.dataset``'s split and its train/test images channels-last for Keras:
+    ``(split, x_train (N, S, S, 1), x_test (M, S, S, 1))``."""
+    split = data.load(cfg.dataset, test_fraction=cfg.test_fraction,
+                      synthetic_samples=cfg.synthetic_samples)
+    return split, split.x_train.transpose(0, 2, 3, 1), split.x_test.transpose(0, 2, 3, 1)
+
+
 def evaluate(model: tf.keras.Model, x: np.ndarray, y: np.ndarray, rank: int, size: int,
              batch_size: int = 256) -> tuple[float, float]:
     """Mean loss and accuracy over ``(x, y)`` (``(N, S, S, 1)``, ``(N,)``) on all ranks together:
@@ -185,10 +193,7 @@ def fit(cfg: TrainConfig) -> dict:
     """
     info = adapter.init(cfg.seed)
     setup_logging(info.rank)
-    split = data.load(cfg.dataset, test_fraction=cfg.test_fraction,
-                      synthetic_samples=cfg.synthetic_samples)
-    x_train = split.x_train.transpose(0, 2, 3, 1)  # NCHW -> NHWC
-    x_test = split.x_test.transpose(0, 2, 3, 1)
+    split, x_train, x_test = load_nhwc(cfg)
     k = cfg.backward_passes_per_step
     micro_per_epoch = adapter.micro_batches_per_epoch(len(x_train), cfg.batch_size, info.size, k)
     steps_per_epoch = micro_per_epoch // k
