@@ -41,6 +41,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=d.lr,
                         help="single-process learning rate, scaled by --lr-scaling")
     parser.add_argument("--momentum", type=float, default=d.momentum)
+    parser.add_argument("--dropout", type=float, default=d.dropout,
+                        help="dropout probability before the last layer (torch)")
     parser.add_argument("--lr-scaling", default=d.lr_scaling,
                         help=f"one of {', '.join(LR_SCALING_RULES)}")
     parser.add_argument("--warmup-epochs", type=float, default=d.warmup_epochs)
@@ -96,6 +98,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         return _fail(str(exc), 1)
     print(doctor.report(info))
     issues = doctor.problems(info)
+    for note in doctor.notes(info):
+        print(f"hvdtrain: note: {note}", file=sys.stderr)
     for issue in issues:
         print(f"hvdtrain: error: {issue}", file=sys.stderr)
     print("status:             " + ("NOT usable" if issues else "ok"))
@@ -103,22 +107,32 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    """Print one line per run directory from its ``metrics.json`` (either framework)."""
+    """Print one line per run directory from its ``metrics.json`` (either framework); with
+    ``--json-out`` also write those rows as a JSON list (atomically). 1 when a file is unreadable,
+    before anything is printed."""
     import json
     from pathlib import Path
 
+    from hvdtrain.files import write_json
     from hvdtrain.report import METRICS_FILE
-    print(f"{'run':<28} {'framework':<9} {'size':>4} {'global batch':>12} {'epochs':>6} "
-          f"{'test acc':>8} {'samples/s':>10}")
+    rows = []
     for run_dir in args.run_dirs:
         path = Path(run_dir) / METRICS_FILE
         try:
             m = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            return _fail(f"cannot read {path}: {exc}", 1)
-        print(f"{run_dir:<28} {m['framework']:<9} {m['size']:>4} {m['global_batch']:>12} "
-              f"{len(m['epochs']):>6} {m['final_test_accuracy']:>8.4f} "
-              f"{m['samples_per_sec']:>10.0f}")
+            rows.append({"run": run_dir, "framework": m["framework"], "size": m["size"],
+                         "global_batch": m["global_batch"], "epochs": len(m["epochs"]),
+                         "test_accuracy": m["final_test_accuracy"],
+                         "samples_per_sec": m["samples_per_sec"]})
+        except (OSError, ValueError, KeyError) as exc:
+            return _fail(f"cannot read {path}: {exc!r}", 1)
+    print(f"{'run':<28} {'framework':<9} {'size':>4} {'global batch':>12} {'epochs':>6} "
+          f"{'test acc':>8} {'samples/s':>10}")
+    for r in rows:
+        print(f"{r['run']:<28} {r['framework']:<9} {r['size']:>4} {r['global_batch']:>12} "
+              f"{r['epochs']:>6} {r['test_accuracy']:>8.4f} {r['samples_per_sec']:>10.0f}")
+    if args.json_out:
+        write_json(args.json_out, rows)
     return 0
 
 
@@ -235,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.set_defaults(func=cmd_launch)
     report = sub.add_parser("report", help="compare runs: one line per run directory")
     report.add_argument("run_dirs", nargs="+", help="output directories of hvdtrain train")
+    report.add_argument("--json-out", help="also write the rows as JSON to this file")
     report.set_defaults(func=cmd_report)
     return parser
 

@@ -7,6 +7,7 @@ single-process reference run of the same script.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -50,3 +51,51 @@ def run(argv: list[str], timeout: int = TIMEOUT, check: bool = True) -> subproce
 def script(name: str) -> list[str]:
     """``python tests/parallel/<name>`` with this interpreter."""
     return [sys.executable, str(HERE / name)]
+
+
+# The tag Open MPI (``[jobid,rank]<stdout>:``, horovodrun's MPI mode) and horovodrun's Gloo mode
+# (``[rank]<stdout>:``) put before each chunk of a rank's output that they forward. A chunk can
+# end anywhere in a line, so a tag can sit in the middle of one.
+_TAG = re.compile(r"\[(\d+)(?:,(\d+))?\]<(stdout|stderr)>:")
+
+
+class Console:
+    """What a person saw on a launched job's console, with the launcher's chunking undone.
+
+    Each rank's stdout and stderr are rebuilt from their tagged chunks, in order, so a line cut
+    by a chunk boundary is whole again. Only for checking words a person would read; numbers and
+    structures come from files the job writes, never from here.
+
+    Attributes:
+        launcher: the untagged text (the launcher's own messages, or a job run without tags).
+        streams: ``{(rank, "stdout" | "stderr"): text}`` of each rank's rebuilt streams.
+    """
+
+    def __init__(self, *texts: str):
+        self.launcher = ""
+        self.streams: dict[tuple[int, str], str] = {}
+        for text in texts:
+            pieces = _TAG.split(text or "")
+            self.launcher += pieces[0]
+            for i in range(1, len(pieces), 4):
+                first, second, stream, chunk = pieces[i:i + 4]
+                rank = int(second if second is not None else first)
+                key = (rank, stream)
+                self.streams[key] = self.streams.get(key, "") + chunk
+
+    @classmethod
+    def of(cls, proc: subprocess.CompletedProcess) -> "Console":
+        return cls(proc.stdout, proc.stderr)
+
+    def rank(self, rank: int) -> str:
+        """Rank ``rank``'s stdout, then its stderr (each whole)."""
+        return "\n".join(self.streams.get((rank, s), "") for s in ("stdout", "stderr"))
+
+    def ranks(self) -> list[int]:
+        """Ranks that printed anything."""
+        return sorted({r for r, _ in self.streams})
+
+    @property
+    def text(self) -> str:
+        """The launcher's text and every rank's rebuilt streams, one block after another."""
+        return "\n".join([self.launcher, *(self.streams[k] for k in sorted(self.streams))])

@@ -32,12 +32,18 @@ def test_same_metrics_keys_and_report(tmp_path):
     assert {"epochs.[].test_accuracy", "epochs.[].samples_per_sec", "global_batch", "size"} <= torch_keys
 
     exe = Path(sys.executable).parent / "hvdtrain"
-    proc = subprocess.run([str(exe), "report", str(dirs["torch"]), str(dirs["keras"])],
+    rows_file = tmp_path / "report.json"
+    proc = subprocess.run([str(exe), "report", str(dirs["torch"]), str(dirs["keras"]),
+                           "--json-out", str(rows_file)],
                           capture_output=True, text=True, env=job_env(), timeout=60)
     assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
-    assert lines[0].split()[:3] == ["run", "framework", "size"]
-    for line, framework in zip(lines[1:], ("torch", "keras")):
-        fields = line.split()
-        assert fields[1] == framework and fields[2] == "2" and fields[3] == "32"
-        assert float(fields[5]) == round(metrics[framework]["final_test_accuracy"], 4)
+    rows = json.loads(rows_file.read_text())
+    assert [r["framework"] for r in rows] == ["torch", "keras"]
+    for row in rows:
+        m = metrics[row["framework"]]
+        assert row["size"] == 2 and row["global_batch"] == 32 and row["epochs"] == 2
+        assert row["test_accuracy"] == m["final_test_accuracy"]
+        assert row["samples_per_sec"] == m["samples_per_sec"]
+    # The table a person reads names the columns and each run.
+    assert "framework" in proc.stdout and "test acc" in proc.stdout
+    assert str(dirs["torch"]) in proc.stdout and str(dirs["keras"]) in proc.stdout

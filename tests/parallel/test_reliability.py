@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from jobs import horovodrun, job_env, run
+from jobs import Console, horovodrun, job_env, run
 
 CRASH_BOUND_S = 60  # the job must be gone this long after a rank dies (measured: see README)
 SLOW = ["--dataset", "synthetic", "--synthetic-samples", "20000", "--no-progress"]
@@ -96,7 +96,8 @@ def test_killed_rank_ends_the_job_with_its_rank_named(tmp_path, framework):
             os.killpg(proc.pid, signal.SIGKILL)
     print(f"job ended {elapsed:.1f} s after rank 1 was killed")
     assert proc.returncode != 0
-    assert "rank 1" in output and "signal 9" in output, output[-2000:]
+    seen = Console(output).text
+    assert "rank 1" in seen and "signal 9" in seen, output[-2000:]
     time.sleep(1)
     assert pids_of(str(tmp_path)) == {}, "processes were left behind"
     record, weights = load_checkpoint(tmp_path, framework)
@@ -150,7 +151,7 @@ def test_corrupt_checkpoint_falls_back_to_the_previous_one(tmp_path, framework):
     ckpt = tmp_path / newest
     ckpt.write_bytes(ckpt.read_bytes()[: ckpt.stat().st_size // 2])  # truncated
     proc = run(train(tmp_path, "--epochs", "4", "--resume", "--no-progress", framework=framework))
-    assert f"{newest} is unreadable" in proc.stdout + proc.stderr
+    assert f"{newest} is unreadable" in Console.of(proc).text
     m = metrics(tmp_path)
     assert m["resumed_from"]["epoch"] == 2 and len(m["epochs"]) == 4
     # Neither file usable: a clear error, non-zero exit, nothing trained.
@@ -159,14 +160,14 @@ def test_corrupt_checkpoint_falls_back_to_the_previous_one(tmp_path, framework):
     proc = run(train(tmp_path, "--epochs", "5", "--resume", "--no-progress",
                      framework=framework), check=False)
     assert proc.returncode != 0
-    assert "--resume: no usable checkpoint" in proc.stdout + proc.stderr
+    assert "--resume: no usable checkpoint" in Console.of(proc).text
 
 
 @FRAMEWORKS
 def test_nan_on_one_rank_skips_the_step_on_all_ranks(tmp_path, framework):
     proc = run(train(tmp_path, "--epochs", "2", "--fault-nan-at", "1:5", "--no-progress",
                      framework=framework))
-    assert "non-finite loss on rank(s) [1] at optimizer step 5" in proc.stdout + proc.stderr
+    assert "non-finite loss on rank(s) [1] at optimizer step 5" in Console.of(proc).text
     m = metrics(tmp_path)
     assert m["skipped_steps"] == 1 and m["ranks_agree"] is True
     assert all(np.isfinite(e["train_loss"]) for e in m["epochs"])
@@ -178,8 +179,8 @@ def test_nan_with_stop_ends_the_job_with_a_clear_message(tmp_path, framework):
     proc = run(train(tmp_path, "--epochs", "2", "-k", "2", "--fault-nan-at", "0:3",
                      "--on-nonfinite", "stop", "--no-progress", framework=framework), check=False)
     assert proc.returncode != 0
-    assert "non-finite loss on rank(s) [0] at optimizer step 3" in proc.stdout + proc.stderr
-    assert "--on-nonfinite stop" in proc.stdout + proc.stderr
+    assert "non-finite loss on rank(s) [0] at optimizer step 3" in Console.of(proc).text
+    assert "--on-nonfinite stop" in Console.of(proc).text
 
 
 @FRAMEWORKS

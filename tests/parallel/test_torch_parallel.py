@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from jobs import horovodrun, mpirun, run, script
+from jobs import Console, horovodrun, mpirun, run, script
 from hvdtrain import data
 from hvdtrain.torch.models import build_model
 
@@ -88,8 +88,9 @@ def test_main_job_under_horovodrun_reaches_95_percent(tmp_path):
                           "--output-dir", str(tmp_path), "--no-progress"))
     check_main_job(tmp_path)
     # Rank 0 alone logs.
-    assert "[hvdtrain rank 0] epoch 15" in proc.stderr + proc.stdout
-    assert "[hvdtrain rank 1]" not in proc.stderr + proc.stdout
+    seen = Console.of(proc)
+    assert "[hvdtrain rank 0] epoch 15" in seen.rank(0)
+    assert "[hvdtrain rank 1]" not in seen.text
 
 
 def test_main_job_under_mpirun_with_accumulation(tmp_path):
