@@ -16,11 +16,14 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["hvdtrain", "hvdtrain.*"]),
     # Horovod itself is built by scripts/setup.sh (it needs a C++17 patch for PyTorch >= 2.1).
-    install_requires=["numpy>=1.26,<2", "scikit-learn>=1.4", "tqdm>=4.66", "filelock>=3.12"],
+    install_requires=["numpy>=1.26,<2", "tqdm>=4.66"],
     extras_require={
-        "torch": ["torch==2.13.0"],
-        "keras": ["tensorflow-cpu==2.15.1"],
-        "test": ["pytest>=8"],
+        # Any build of the framework: CPU or CUDA (requirements/constraints.txt pins this
+        # project's CPU stack; GPU images bring their own CUDA PyTorch).
+        "torch": ["torch>=2.1"],
+        "keras": ["tensorflow>=2.15,<2.16"],  # Keras 2 as tf.keras (see README)
+        "digits": ["scikit-learn>=1.4"],  # the demo dataset (--dataset digits)
+        "test": ["pytest>=8", "scikit-learn>=1.4"],
         "bench": ["matplotlib>=3.8"],
     },
     entry_points={"console_scripts": ["hvdtrain=hvdtrain.cli:main"]},

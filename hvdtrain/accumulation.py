@@ -26,6 +26,10 @@ class MicroBatch:
         samples: samples in this micro-batch (its leading dimension).
         group_samples: samples in the whole group on this rank.
         loss_scale: ``samples / group_samples``; multiply the micro-batch's mean loss by it.
+            After Horovod averages the ranks' gradients, the step is the mean over the global
+            batch only when every rank's group holds the same number of samples (true for a
+            padded ``DistributedSampler`` with equal batch sizes; see
+            :func:`hvdtrain.torch.micro_batches` for the uneven case).
         sync: True on the group's last micro-batch: call ``optimizer.step()`` after its backward.
     """
     index: int

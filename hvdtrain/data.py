@@ -35,9 +35,17 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> Split:
 
     The split is stratified and depends only on ``seed`` (the same on every rank and run). Pixel
     values (0..16) are divided by 16.
+
+    Raises:
+        ModuleNotFoundError: scikit-learn is not installed (the message says how to get it).
     """
-    from sklearn.datasets import load_digits as _load
-    from sklearn.model_selection import train_test_split
+    try:
+        from sklearn.datasets import load_digits as _load
+        from sklearn.model_selection import train_test_split
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError("the digits dataset comes with scikit-learn: pip install "
+                                  "'hvdtrain[digits]' (or scikit-learn), or use --dataset "
+                                  "synthetic") from exc
 
     bunch = _load()
     x = (bunch.images.astype(np.float32) / 16.0)[:, None, :, :]

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from hvdtrain import runtime
 
-REQUIRED_FRAMEWORKS = ("PyTorch", "TensorFlow")
+# The frameworks hvdtrain has adapters for; a build needs at least one.
+SUPPORTED_FRAMEWORKS = ("PyTorch", "TensorFlow")
 
 
 @dataclass
@@ -80,15 +81,29 @@ def check_build() -> BuildInfo:
     return parse_check_build(out.stdout)
 
 
-def problems(info: BuildInfo, required: tuple[str, ...] = REQUIRED_FRAMEWORKS) -> list[str]:
-    """What the build lacks for hvdtrain: each required framework, and at least one controller."""
+def problems(info: BuildInfo, supported: tuple[str, ...] = SUPPORTED_FRAMEWORKS) -> list[str]:
+    """What makes the build unusable for hvdtrain: none of the ``supported`` frameworks, or no
+    controller. (A build with one of the frameworks is usable for that one: see :func:`notes`.)"""
     found = info.available("Frameworks")
-    issues = [f"Horovod was built without {name} support: rebuild it with HOROVOD_WITH_"
-              f"{name.upper()}=1 ('make setup' does)" for name in required if name not in found]
+    issues = []
+    if not any(name in found for name in supported):
+        issues.append(f"Horovod was built without {' or '.join(supported)} support: rebuild it "
+                      "with " + " and/or ".join(f"HOROVOD_WITH_{n.upper()}=1" for n in supported)
+                      + " ('make setup' does)")
     if not info.available("Controllers"):
         issues.append("Horovod has no controller (MPI or Gloo): rebuild with HOROVOD_WITH_MPI=1 "
                       "or HOROVOD_WITH_GLOO=1")
     return issues
+
+
+def notes(info: BuildInfo, supported: tuple[str, ...] = SUPPORTED_FRAMEWORKS) -> list[str]:
+    """What a usable build cannot do: each supported framework it lacks, with the rebuild that
+    adds it."""
+    found = info.available("Frameworks")
+    flags = {"PyTorch": "torch", "TensorFlow": "keras"}
+    return [f"Horovod was built without {name} support, so --framework {flags.get(name, name)} "
+            f"will not run: rebuild it with HOROVOD_WITH_{name.upper()}=1 ('make setup' does)"
+            for name in supported if name not in found]
 
 
 def report(info: BuildInfo) -> str:

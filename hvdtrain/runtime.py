@@ -126,7 +126,12 @@ class NonFiniteLossError(RuntimeError):
 
 
 def nonfinite_message(bad_ranks: list[int], step: int, epoch: int) -> str:
-    """The one-line report of a non-finite loss, the same for both adapters."""
+    """The one-line report of a non-finite loss, the same for both adapters. With no rank named,
+    the losses were finite but the all-reduced gradients were not (e.g. an fp16-compression
+    overflow)."""
+    if not bad_ranks:
+        return (f"non-finite gradients after the all-reduce, with finite losses on every rank, at "
+                f"optimizer step {step} (epoch {epoch}); with --compression fp16, try none")
     return f"non-finite loss on rank(s) {bad_ranks} at optimizer step {step} (epoch {epoch})"
 
 

@@ -23,6 +23,26 @@ import math
 LR_SCALING_RULES = ("linear", "sqrt", "none")
 
 
+def resolve_lr_scaling(rule: str | None, op: str = "average") -> str:
+    """The scaling rule ``distribute`` applies: ``rule``, or the default for the reduction ``op``
+    when ``rule`` is None: ``"linear"`` for ``"average"``, ``"none"`` for ``"adasum"`` (Horovod's
+    Adasum guide: Adasum adapts the combined step itself, so on CPUs the single-process rate is
+    used unscaled; Maleki et al. 2020).
+
+    Raises:
+        ValueError: an unknown rule, or ``"linear"`` with ``"adasum"`` (which would multiply a step
+            Adasum already combines; use ``"none"``).
+    """
+    if rule is None:
+        return "none" if op == "adasum" else "linear"
+    if rule not in LR_SCALING_RULES:
+        raise ValueError(f"lr_scaling must be one of {', '.join(LR_SCALING_RULES)}; got {rule!r}")
+    if op == "adasum" and rule == "linear":
+        raise ValueError("op='adasum' adapts the step size itself; use lr_scaling='none' (the "
+                         "default with adasum) or 'sqrt', not 'linear'")
+    return rule
+
+
 def scale_factor(rule: str, size: int, backward_passes_per_step: int = 1) -> float:
     """The factor by which ``rule`` multiplies the base learning rate.
 

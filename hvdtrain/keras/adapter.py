@@ -34,17 +34,22 @@ NONFINITE_MODES = ("skip", "stop")
 log = logging.getLogger("hvdtrain")
 
 
+_INFO: runtime.RankInfo | None = None  # what init() set up; rank_info() returns it
+
+
 def init(seed: int = 42, threads: int | None = None) -> runtime.RankInfo:
     """Start Horovod, give this rank its share of the cores, and seed it.
 
     Calls ``hvd.init()``; sets TensorFlow's intra-op threads to ``threads`` or
     ``max(1, cores // local_size)`` and inter-op threads to 1; seeds TensorFlow, NumPy and
     ``random`` (``tf.keras.utils.set_random_seed``) with ``runtime.rank_seed(seed, rank)`` (rank 0
-    gets ``seed``; :func:`distribute` makes all models equal to rank 0's).
+    gets ``seed``; :func:`distribute` makes all models equal to rank 0's). Counts the hosts with
+    one all-reduce (every rank must call ``init``).
 
     Returns:
         The :class:`~hvdtrain.runtime.RankInfo` of this process.
     """
+    global _INFO
     hvd.init()
     threads = runtime.thread_budget(hvd.local_size()) if threads is None else int(threads)
     try:
@@ -54,14 +59,21 @@ def init(seed: int = 42, threads: int | None = None) -> runtime.RankInfo:
         threads = tf.config.threading.get_intra_op_parallelism_threads() or threads
     seed = runtime.rank_seed(seed, hvd.rank())
     tf.keras.utils.set_random_seed(seed)
-    return runtime.RankInfo(hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size(), threads,
-                            seed, hvd.cross_size())
+    hosts = int(allreduce_sums({"hosts": hvd.local_rank() == 0}, name="hvdtrain.hosts")["hosts"])
+    _INFO = runtime.RankInfo(hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size(), threads,
+                             seed, hosts)
+    return _INFO
 
 
 def rank_info() -> runtime.RankInfo:
-    """This process's rank, sizes and thread count (after :func:`init`)."""
-    return runtime.RankInfo(hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size(),
-                            tf.config.threading.get_intra_op_parallelism_threads(), -1)
+    """What :func:`init` returned for this process (rank, sizes, threads, seed, hosts).
+
+    Raises:
+        RuntimeError: :func:`init` has not been called.
+    """
+    if _INFO is None:
+        raise RuntimeError("call hvdtrain.keras.init() first")
+    return _INFO
 
 
 def allreduce_sums(values: dict[str, float], name: str = "hvdtrain.metrics") -> dict[str, float]:
@@ -114,7 +126,7 @@ def broadcast_state(model: tf.keras.Model, optimizer: tf.keras.optimizers.Optimi
 
 
 def distribute(model: tf.keras.Model, optimizer: tf.keras.optimizers.Optimizer, *,
-               backward_passes_per_step: int = 1, lr_scaling: str = "linear",
+               backward_passes_per_step: int = 1, lr_scaling: str | None = None,
                compression: str = "none", op: str = "average", root_rank: int = 0,
                gradient_predivide_factor: float = 1.0, on_nonfinite: str | None = None):
     """Turn a single-process Keras model and optimizer into synchronous data-parallel ones.
@@ -143,7 +155,8 @@ def distribute(model: tf.keras.Model, optimizer: tf.keras.optimizers.Optimizer, 
         model: a built ``tf.keras.Model``.
         optimizer: a Keras (2.11+) optimizer with a float learning rate (the single-process rate).
         backward_passes_per_step: k >= 1 micro-batches per optimizer step.
-        lr_scaling: ``"linear"``, ``"sqrt"`` or ``"none"``.
+        lr_scaling: ``"linear"``, ``"sqrt"`` or ``"none"``; None (default): the default for
+            ``op`` (``"linear"`` for ``"average"``, as in :func:`hvdtrain.torch.distribute`).
         compression: ``"none"`` or ``"fp16"``.
         op: ``"average"`` (Horovod's Keras optimizer has no Adasum).
         root_rank: rank whose initial state every rank takes.
@@ -167,6 +180,7 @@ def distribute(model: tf.keras.Model, optimizer: tf.keras.optimizers.Optimizer, 
     if isinstance(optimizer._learning_rate, tf.keras.optimizers.schedules.LearningRateSchedule):
         raise ValueError("the optimizer's learning_rate is a schedule object; give it a float and "
                          "use hvdtrain.keras.warmup() for the warmup")
+    lr_scaling = schedule.resolve_lr_scaling(lr_scaling, op)
     factor = schedule.scale_factor(lr_scaling, hvd.size(), backward_passes_per_step)
     built = getattr(optimizer, "_built", False)
     old_values = [v.numpy() for v in optimizer.variables] if built else None

@@ -21,11 +21,14 @@ from __future__ import annotations
 import horovod.torch as hvd
 import torch
 
-from hvdtrain import runtime, schedule
-from hvdtrain.accumulation import check_distribute_args
+from hvdtrain import accumulation, runtime, schedule
+from hvdtrain.accumulation import check_distribute_args, leading_dim
 
 _COMPRESSIONS = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
 _OPS = {"average": hvd.Average, "adasum": hvd.Adasum}
+
+
+_INFO: runtime.RankInfo | None = None  # what init() set up; rank_info() returns it
 
 
 def init(seed: int = 42, threads: int | None = None) -> runtime.RankInfo:
@@ -34,25 +37,34 @@ def init(seed: int = 42, threads: int | None = None) -> runtime.RankInfo:
     Calls ``hvd.init()``; sets ``torch.set_num_threads`` to ``threads`` or
     ``max(1, cores // local_size)``; seeds torch, NumPy and ``random`` with
     ``runtime.rank_seed(seed, rank)`` (rank 0 gets ``seed``; other ranks differ, and
-    :func:`distribute` makes their models equal by broadcasting rank 0's).
+    :func:`distribute` makes their models equal by broadcasting rank 0's). Counts the hosts with
+    one all-reduce (every rank must call ``init``).
 
     Returns:
         The :class:`~hvdtrain.runtime.RankInfo` of this process.
     """
+    global _INFO
     hvd.init()
     threads = runtime.thread_budget(hvd.local_size()) if threads is None else int(threads)
     torch.set_num_threads(threads)
     seed = runtime.rank_seed(seed, hvd.rank())
     torch.manual_seed(seed)
     runtime.seed_python_numpy(seed)
-    return runtime.RankInfo(hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size(), threads,
-                            seed, hvd.cross_size())
+    hosts = int(allreduce_sums({"hosts": hvd.local_rank() == 0}, name="hvdtrain.hosts")["hosts"])
+    _INFO = runtime.RankInfo(hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size(), threads,
+                             seed, hosts)
+    return _INFO
 
 
 def rank_info() -> runtime.RankInfo:
-    """This process's rank, sizes and thread count (after :func:`init`)."""
-    return runtime.RankInfo(hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size(),
-                            torch.get_num_threads(), torch.initial_seed())
+    """What :func:`init` returned for this process (rank, sizes, threads, seed, hosts).
+
+    Raises:
+        RuntimeError: :func:`init` has not been called.
+    """
+    if _INFO is None:
+        raise RuntimeError("call hvdtrain.torch.init() first")
+    return _INFO
 
 
 def allreduce_sums(values: dict[str, float], name: str = "hvdtrain.metrics") -> dict[str, float]:
@@ -82,53 +94,201 @@ def ranks_where(flag: bool, name: str = "hvdtrain.flag") -> list[int]:
                                lambda values: allreduce_sums(values, name=name))
 
 
+def micro_batches(batches, backward_passes_per_step: int, samples_of=leading_dim):
+    """:func:`hvdtrain.accumulation.micro_batches` for a data-parallel loop: yields ``(batch,
+    MicroBatch)``, k batches to a group; run ``optimizer.step()`` when ``micro.sync``.
+
+    The loss weights (:attr:`MicroBatch.loss_scale`, ``samples / group samples on this rank``)
+    make each step the mean over the global batch only when every rank's group holds the same
+    number of samples, and every rank must run the same number of groups (a rank with more
+    batches waits forever in the all-reduce of a step the others never take). Both hold for a
+    ``DistributedSampler`` (it pads every rank's shard to the same length) with equal batch
+    sizes. For uneven data (an ``IterableDataset``, a custom sampler, token counts), give every
+    rank the same number of equal batches, or end each rank's loop with Horovod's ``hvd.join()``
+    and weigh losses by the global sample count yourself.
+
+    When ``batches`` has a length, the ranks' lengths are compared before the first batch with
+    one all-reduce (every rank must start the loop), so unequal counts fail at once on every rank
+    instead of hanging later.
+
+    Raises:
+        ValueError: the ranks have different numbers of batches (on every rank), or the errors
+            of :func:`hvdtrain.accumulation.micro_batches`.
+    """
+    if hvd.size() > 1 and hasattr(batches, "__len__"):
+        count = len(batches)
+        low, neg_high = hvd.allreduce(torch.tensor([count, -count], dtype=torch.int64),
+                                      op=hvd.Min, name="hvdtrain.batch_counts").tolist()
+        if low != -neg_high:
+            raise ValueError(
+                f"the ranks have different numbers of batches per epoch (between {low} and "
+                f"{-neg_high}; this rank: {count}), so some would wait forever in the all-reduce: "
+                "shard with torch.utils.data.DistributedSampler (it pads every rank to the same "
+                "length) or give every rank the same number of batches")
+    yield from accumulation.micro_batches(batches, backward_passes_per_step, samples_of)
+
+
+def _broadcast_tensors_(tensors: list[tuple[str, torch.Tensor]], root_rank: int) -> None:
+    """Broadcast each tensor from ``root_rank`` in place, all in flight at once (Horovod fuses
+    them). Non-contiguous tensors (e.g. ``torch.channels_last``) go through a contiguous copy,
+    since Horovod's collectives need contiguous memory."""
+    pending = []
+    for name, tensor in tensors:
+        buffer = tensor if tensor.is_contiguous() else tensor.contiguous()
+        pending.append((tensor, buffer, hvd.broadcast_async_(buffer, root_rank, name=name)))
+    for tensor, buffer, handle in pending:
+        hvd.synchronize(handle)
+        if buffer is not tensor:
+            tensor.copy_(buffer)
+
+
 def broadcast_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     root_rank: int = 0) -> None:
     """Make every rank's model parameters, buffers and optimizer state equal to ``root_rank``'s.
 
-    Parameters and buffers go through ``hvd.broadcast_parameters(model.state_dict())`` (in place).
-    The optimizer's whole ``state_dict`` (state tensors and param-group options such as ``lr``) is
-    sent with ``hvd.broadcast_object`` and loaded on the other ranks. Horovod's
-    ``broadcast_optimizer_state`` is not used: on a fresh optimizer it takes a zero-gradient step
-    (which advances Adam's step count and applies weight decay, so training no longer matches a
-    single process), it casts options to float32, and it fails on options that are ``None``
-    (``foreach``/``fused`` in current PyTorch).
+    Tensors are broadcast in place, on their own device, with Horovod's tensor broadcast: the
+    model's ``state_dict`` (parameters and buffers) and every optimizer state tensor (momentum
+    buffers, Adam moments, step counts). Only the small structure goes as one pickled object
+    (``hvd.broadcast_object``): the param groups' options (``lr``, ``betas``, ...) and, per
+    parameter, the state entries' names, shapes and dtypes, plus any non-tensor entries. Ranks
+    other than ``root_rank`` allocate missing state tensors like their parameter (same device and
+    memory format) and update their param-group dicts in place, so an LR scheduler built on the
+    optimizer keeps driving the groups the optimizer uses. Host memory beyond the state itself
+    stays small whatever the state's size (a whole ``state_dict`` through ``broadcast_object``
+    is pickled and copied about three times, and Horovod sends its size as an int32, which
+    fails above 2 GiB).
+
+    Horovod's ``broadcast_optimizer_state`` is not used: on an optimizer with no state yet it
+    takes a zero-gradient ``step()`` to create the state, which applies weight decay and
+    advances Adam's step count, so training no longer matches a single process; and its
+    non-tensor state entries are assigned to a copy of the state dict, not to the optimizer.
 
     Every rank must call this, in the same order relative to other collectives.
+
+    Raises:
+        ValueError: the ranks' optimizers hold different numbers of parameters or groups.
     """
-    hvd.broadcast_parameters(model.state_dict(), root_rank=root_rank)
-    state = optimizer.state_dict() if hvd.rank() == root_rank else None
-    state = hvd.broadcast_object(state, root_rank=root_rank, name="hvdtrain.optimizer_state")
+    _broadcast_tensors_([(f"hvdtrain.model.{k}", v) for k, v in model.state_dict().items()],
+                        root_rank)
+    groups = optimizer.param_groups
+    params = [p for group in groups for p in group["params"]]
+    spec = None
+    if hvd.rank() == root_rank:
+        spec = {"groups": [{k: v for k, v in g.items() if k != "params"} for g in groups],
+                "state": []}
+        for p in params:
+            entry = {}
+            for key, value in optimizer.state.get(p, {}).items():
+                if torch.is_tensor(value):
+                    entry[key] = ("tensor", tuple(value.shape), str(value.dtype).split(".")[-1],
+                                  value.device == p.device)
+                else:
+                    entry[key] = ("value", value)
+            spec["state"].append(entry)
+    spec = hvd.broadcast_object(spec, root_rank=root_rank, name="hvdtrain.optimizer_spec")
+    if len(spec["groups"]) != len(groups) or len(spec["state"]) != len(params):
+        raise ValueError(f"rank {hvd.rank()}'s optimizer has {len(groups)} param groups and "
+                         f"{len(params)} parameters, rank {root_rank}'s has "
+                         f"{len(spec['groups'])} and {len(spec['state'])}: build the same model "
+                         "and optimizer on every rank")
+    tensors = []
+    for i, (p, entry) in enumerate(zip(params, spec["state"])):
+        if hvd.rank() != root_rank:
+            state = optimizer.state[p]
+            for key in [k for k in state if k not in entry]:
+                del state[key]
+            for key, (kind, *rest) in entry.items():
+                if kind == "value":
+                    state[key] = rest[0]
+                    continue
+                shape, dtype, on_param_device = rest
+                dtype = getattr(torch, dtype)
+                have = state.get(key)
+                if (not torch.is_tensor(have) or tuple(have.shape) != shape
+                        or have.dtype != dtype):
+                    device = p.device if on_param_device else torch.device("cpu")
+                    state[key] = (torch.empty_like(p, dtype=dtype, device=device)
+                                  if tuple(p.shape) == shape
+                                  else torch.empty(shape, dtype=dtype, device=device))
+        state = optimizer.state.get(p, {})
+        tensors += [(f"hvdtrain.optimizer.{i}.{key}", state[key])
+                    for key, (kind, *_) in entry.items() if kind == "tensor"]
     if hvd.rank() != root_rank:
-        optimizer.load_state_dict(state)
+        for group, options in zip(groups, spec["groups"]):
+            for key in [k for k in group if k != "params" and k not in options]:
+                del group[key]
+            group.update(options)
+    _broadcast_tensors_(tensors, root_rank)
+
+
+def _scale_groups(optimizer: torch.optim.Optimizer, factor: float) -> None:
+    """Set each group's ``lr`` to its base rate x ``factor`` and record both.
+
+    The base rate is ``group["hvdtrain_base_lr"]`` when the groups come from an hvdtrain
+    checkpoint (restored optimizers already hold a scaled, possibly warmed-up rate, which must not
+    be scaled again), else the group's ``lr``.
+
+    Raises:
+        ValueError: ``factor`` != 1 and an LR scheduler was already built on the optimizer (its
+            ``initial_lr`` is unscaled, so it would undo the scaling at its first step).
+    """
+    for group in optimizer.param_groups:
+        if "hvdtrain_base_lr" in group:
+            base = group["hvdtrain_base_lr"]
+        elif "hvdtrain_lr_scale" in group:  # a checkpoint from before hvdtrain_base_lr existed
+            base = group.get("initial_lr", group["lr"]) / group["hvdtrain_lr_scale"]
+        elif "initial_lr" in group and factor != 1.0:
+            raise ValueError(
+                "an LR scheduler was already built on this optimizer (its param groups hold "
+                "'initial_lr'), and distribute() is about to scale the learning rate by "
+                f"{factor:g}, which that scheduler would undo: build the scheduler after "
+                "hvdtrain.torch.distribute() (and pass it to hvdtrain.torch.warmup(..., "
+                "scheduler=...) to combine it with the warmup), or use lr_scaling='none'")
+        else:
+            base = group["lr"]
+        if "hvdtrain_base_lr" in group or "hvdtrain_lr_scale" in group:
+            group.pop("initial_lr", None)  # schedulers built from here on start at the new rate
+        group["lr"] = base * factor
+        group["hvdtrain_base_lr"] = base
+        group["hvdtrain_lr_scale"] = factor
 
 
 def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-               backward_passes_per_step: int = 1, lr_scaling: str = "linear",
+               backward_passes_per_step: int = 1, lr_scaling: str | None = None,
                compression: str = "none", op: str = "average", root_rank: int = 0,
                gradient_predivide_factor: float = 1.0):
     """Turn a single-process model and optimizer into synchronous data-parallel ones.
 
-    1. Multiplies each param group's ``lr`` by ``schedule.scale_factor(lr_scaling, size, k)``
-       (Goyal et al. 2017 for ``linear``) and records the factor in ``group["hvdtrain_lr_scale"]``.
+    1. Sets each param group's ``lr`` to its base rate x ``schedule.scale_factor(lr_scaling, size,
+       k)`` (Goyal et al. 2017 for ``linear``) and records ``hvdtrain_base_lr`` and
+       ``hvdtrain_lr_scale`` in the group. The base rate is the group's ``lr``, or, for an
+       optimizer restored from an hvdtrain checkpoint, the base rate saved in it: a restored
+       optimizer is scaled for this run's world size, never twice.
     2. Wraps ``optimizer`` in ``hvd.DistributedOptimizer`` with ``named_parameters``,
        ``backward_passes_per_step=k``, ``compression`` and ``op``: gradients are all-reduced
        (averaged over ranks) once every k backward passes, at ``optimizer.step()``. Scale each
        micro-batch loss by :class:`MicroBatch` ``.loss_scale`` (see :func:`micro_batches`) so that
-       a step is the mean over the global batch of ``local batch x k x size`` samples.
-    3. Keeps the optimizer's existing state (Horovod's wrapper alone would drop it), then
-       broadcasts parameters, buffers and optimizer state from ``root_rank``
+       a step is the mean over the global batch of ``local batch x k x size`` samples. The
+       wrapper shares the optimizer's param-group dicts (as plain Horovod does), so a scheduler
+       built on either object drives the same learning rates.
+    3. Keeps the optimizer's existing per-parameter state (Horovod's wrapper alone would start
+       with none), then broadcasts parameters, buffers and optimizer state from ``root_rank``
        (:func:`broadcast_state`).
+
+    With ``op="adasum"`` (Maleki et al. 2020) Horovod's Adasum optimizer combines each rank's
+    *update* inside ``step()``; it has no ``synchronize()``/``skip_synchronize()``, so call
+    ``optimizer.step()`` alone (and no step can be skipped once its backward ran).
 
     Args:
         model: the model, shape-agnostic; its parameters must be the optimizer's.
         optimizer: a ``torch.optim.Optimizer`` over ``model``'s parameters, with the single-process
-            learning rate.
+            learning rate (or restored from an hvdtrain checkpoint).
         backward_passes_per_step: k >= 1 micro-batches per optimizer step.
-        lr_scaling: ``"linear"``, ``"sqrt"`` or ``"none"``.
+        lr_scaling: ``"linear"``, ``"sqrt"`` or ``"none"``; None (default): ``"linear"`` with
+            ``op="average"``, ``"none"`` with ``op="adasum"`` (Horovod's Adasum guidance).
         compression: ``"none"`` or ``"fp16"`` (gradients sent as float16, halving bytes on the
             wire).
-        op: ``"average"`` or ``"adasum"`` (Maleki et al. 2020).
+        op: ``"average"`` or ``"adasum"``.
         root_rank: rank whose initial state every rank takes.
         gradient_predivide_factor: passed to Horovod (average op only).
 
@@ -137,10 +297,13 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         which has ``.backward_passes_per_step``.
 
     Raises:
-        ValueError: an unknown ``lr_scaling``/``compression``/``op``, k < 1, or an optimizer that
-            does not hold exactly the model's parameters (the message says what to change).
+        ValueError: an unknown ``lr_scaling``/``compression``/``op``, ``"linear"`` with
+            ``"adasum"``, k < 1, an optimizer that does not hold exactly the model's parameters,
+            or a scheduler built before ``distribute`` while the rate is scaled (the message says
+            what to change).
     """
     check_distribute_args(backward_passes_per_step, compression, op, _COMPRESSIONS, _OPS)
+    lr_scaling = schedule.resolve_lr_scaling(lr_scaling, op)
     factor = schedule.scale_factor(lr_scaling, hvd.size(), backward_passes_per_step)
     model_params = {id(p) for p in model.parameters()}
     opt_params = {id(p) for g in optimizer.param_groups for p in g["params"]}
@@ -148,45 +311,116 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         raise ValueError("the optimizer holds parameters that are not the model's; build the "
                          "optimizer from model.parameters()")
 
-    for group in optimizer.param_groups:
-        group["lr"] = group["lr"] * factor
-        group["hvdtrain_lr_scale"] = factor
+    _scale_groups(optimizer, factor)
     named = [(n, p) for n, p in model.named_parameters() if id(p) in opt_params]
-    state = optimizer.state_dict()
     wrapped = hvd.DistributedOptimizer(
         optimizer, named_parameters=named, compression=_COMPRESSIONS[compression],
         backward_passes_per_step=backward_passes_per_step, op=_OPS[op],
         gradient_predivide_factor=gradient_predivide_factor)
-    # Horovod builds a new optimizer from the param groups and drops the per-parameter state
-    # (momentum buffers, Adam moments, step counts), e.g. one just loaded from a checkpoint.
-    wrapped.load_state_dict(state)
-    optimizer = wrapped
-    broadcast_state(model, optimizer, root_rank)
-    return model, optimizer
+    # Horovod builds a new optimizer over the same param-group dicts but with empty
+    # per-parameter state (momentum buffers, Adam moments, step counts), e.g. of an optimizer
+    # just loaded from a checkpoint: carry it over. (load_state_dict would replace the group
+    # dicts with copies and leave a scheduler built on them driving dicts no longer used.)
+    for p, state in optimizer.state.items():
+        wrapped.state[p] = state
+    broadcast_state(model, wrapped, root_rank)
+    return model, wrapped
+
+
+class Warmup:
+    """Gradual warmup (Goyal et al. 2017, section 2.2) on top of the scaled learning rate,
+    composed with an optional scheduler of the user's (cosine, step, OneCycle, ...).
+
+    Each group's rate is ``scheduled x schedule.warmup_multiplier(step, factor, warmup_epochs,
+    steps_per_epoch)``, where ``scheduled`` is the rate the user's scheduler sets (or the scaled
+    rate when there is none) and ``factor`` is the group's ``hvdtrain_lr_scale``: the rate climbs
+    from the base rate to the scaled one over the warmup, then the user's schedule alone rules.
+    Before each step of the user's scheduler the warmup factor is taken out again, so recursive
+    schedulers (``StepLR``, ``CosineAnnealingLR``) see their own last rate. Without a user
+    scheduler the rate equals :func:`hvdtrain.schedule.lr_at` at every step.
+
+    The same interface as a ``torch.optim.lr_scheduler`` scheduler: call :meth:`step` after each
+    ``optimizer.step()``; :meth:`get_last_lr`, :meth:`state_dict`, :meth:`load_state_dict`.
+
+    Attributes:
+        last_step: optimizer steps taken so far (0 before the first).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, warmup_epochs: float,
+                 steps_per_epoch: int, scheduler=None):
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.warmup_epochs, self.steps_per_epoch = warmup_epochs, steps_per_epoch
+        self.factors = []
+        for group in optimizer.param_groups:
+            if "hvdtrain_lr_scale" not in group:
+                raise ValueError("warmup() needs the optimizer returned by "
+                                 "hvdtrain.torch.distribute()")
+            self.factors.append(group["hvdtrain_lr_scale"])
+        if scheduler is not None and getattr(scheduler, "optimizer", None) is not None:
+            theirs = {id(g) for g in scheduler.optimizer.param_groups}
+            if theirs != {id(g) for g in optimizer.param_groups}:
+                raise ValueError("the scheduler drives other param groups than this optimizer's: "
+                                 "build it on the optimizer that distribute() returned")
+        schedule.warmup_multiplier(0, 1.0, warmup_epochs, steps_per_epoch)  # validates
+        self.last_step = 0
+        self._scheduled = [g["lr"] for g in optimizer.param_groups]
+        self._apply()
+
+    def _apply(self) -> None:
+        for group, rate, factor in zip(self.optimizer.param_groups, self._scheduled, self.factors):
+            group["lr"] = rate * schedule.warmup_multiplier(
+                self.last_step, factor, self.warmup_epochs, self.steps_per_epoch)
+
+    def step(self) -> None:
+        """Advance one optimizer step: the user's scheduler first (on the un-warmed rates), then
+        the warmup factor for the new step."""
+        for group, rate in zip(self.optimizer.param_groups, self._scheduled):
+            group["lr"] = rate
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self._scheduled = [g["lr"] for g in self.optimizer.param_groups]
+        self.last_step += 1
+        self._apply()
+
+    def get_last_lr(self) -> list[float]:
+        """The rates in use now, one per param group."""
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict:
+        """``last_step``, the un-warmed rates and the user's scheduler's own state."""
+        return {"last_step": self.last_step, "scheduled": list(self._scheduled),
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict` (or from ``{"last_step": n}`` alone, which keeps
+        the current un-warmed rates: enough when there is no user scheduler)."""
+        self.last_step = int(state["last_step"])
+        if state.get("scheduled") is not None:
+            self._scheduled = list(state["scheduled"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self._apply()
 
 
 def warmup(optimizer: torch.optim.Optimizer, *, warmup_epochs: float,
-           steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """A ``LambdaLR`` that follows :func:`hvdtrain.schedule.lr_at`: from the base lr to the
-    scaled lr over ``warmup_epochs`` (Goyal et al. 2017, gradual warmup), then constant.
+           steps_per_epoch: int, scheduler=None) -> Warmup:
+    """A :class:`Warmup`: from the base lr to the scaled lr over ``warmup_epochs`` (Goyal et al.
+    2017, gradual warmup), composed with ``scheduler`` if given, else constant afterwards.
 
-    Call ``scheduler.step()`` after each ``optimizer.step()``. Works on an optimizer returned by
-    :func:`distribute` (whose param groups hold the scaled lr and ``hvdtrain_lr_scale``).
+    Call ``.step()`` after each ``optimizer.step()`` (and not ``scheduler.step()`` as well: the
+    warmup steps it). Works on an optimizer returned by :func:`distribute` (whose param groups
+    hold the scaled lr and ``hvdtrain_lr_scale``).
 
     Args:
         optimizer: the optimizer returned by :func:`distribute`.
         warmup_epochs: epochs of warmup, >= 0 (0: no warmup).
         steps_per_epoch: optimizer steps per epoch (see ``schedule.steps_per_epoch``).
+        scheduler: a ``torch.optim.lr_scheduler`` scheduler built on that optimizer after
+            :func:`distribute` (so its rates start from the scaled lr), or None.
 
     Raises:
-        ValueError: the optimizer did not come from :func:`distribute`.
+        ValueError: the optimizer did not come from :func:`distribute`, the scheduler drives
+            another optimizer's groups, or a bad ``warmup_epochs``/``steps_per_epoch``.
     """
-    factors = []
-    for group in optimizer.param_groups:
-        if "hvdtrain_lr_scale" not in group:
-            raise ValueError("warmup() needs the optimizer returned by hvdtrain.torch.distribute()")
-        factors.append(group["hvdtrain_lr_scale"])
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, [
-        (lambda step, f=f: schedule.warmup_multiplier(step, f, warmup_epochs, steps_per_epoch))
-        for f in factors])
+    return Warmup(optimizer, warmup_epochs=warmup_epochs, steps_per_epoch=steps_per_epoch,
+                  scheduler=scheduler)

@@ -9,11 +9,12 @@ class DigitsCNN(nn.Module):
     """A small CNN for ``(B, 1, S, S)`` images (S divisible by 2, e.g. 8 for digits).
 
     conv3x3(1->16) -> ReLU -> conv3x3(16->32) -> ReLU -> maxpool2 -> dense(32*(S/2)^2 -> 64)
-    -> ReLU -> dense(64 -> num_classes). No dropout or batch norm, so a data-parallel step equals
-    a single-process step on the same samples exactly. Output: logits ``(B, num_classes)``.
+    -> ReLU -> [dropout(p)] -> dense(64 -> num_classes). No batch norm, and no dropout unless
+    ``dropout > 0``, so by default a data-parallel step equals a single-process step on the same
+    samples exactly. Output: logits ``(B, num_classes)``.
     """
 
-    def __init__(self, num_classes: int = 10, image_size: int = 8):
+    def __init__(self, num_classes: int = 10, image_size: int = 8, dropout: float = 0.0):
         super().__init__()
         self.features = nn.Sequential(
             nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
@@ -21,15 +22,17 @@ class DigitsCNN(nn.Module):
             nn.MaxPool2d(2))
         self.classifier = nn.Sequential(
             nn.Flatten(), nn.Linear(32 * (image_size // 2) ** 2, 64), nn.ReLU(),
+            nn.Dropout(dropout) if dropout > 0 else nn.Identity(),
             nn.Linear(64, num_classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x))
 
 
-def build_model(num_classes: int = 10, image_size: int = 8) -> nn.Module:
-    """The model ``hvdtrain train`` uses for ``(B, 1, image_size, image_size)`` inputs."""
-    return DigitsCNN(num_classes, image_size)
+def build_model(num_classes: int = 10, image_size: int = 8, dropout: float = 0.0) -> nn.Module:
+    """The model ``hvdtrain train`` uses for ``(B, 1, image_size, image_size)`` inputs
+    (``dropout``: probability of the dropout before the last layer, 0 for none)."""
+    return DigitsCNN(num_classes, image_size, dropout)
 
 
 def bench_model(name: str, num_classes: int = 10, image_size: int = 32) -> nn.Module:

@@ -8,7 +8,6 @@ Launch::
 from __future__ import annotations
 
 import logging
-import math
 import time
 from pathlib import Path
 
@@ -20,7 +19,6 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from tqdm import tqdm
 
 from hvdtrain import data, runtime, schedule
-from hvdtrain.accumulation import micro_batches
 from hvdtrain.config import TrainConfig
 from hvdtrain.report import EpochMetrics, RunReport, run_header, setup_logging
 from hvdtrain.torch import adapter, checkpoint
@@ -31,10 +29,9 @@ log = logging.getLogger("hvdtrain")
 
 def _resume(cfg: TrainConfig, info, model, optimizer) -> dict | None:
     """On rank 0, load the checkpoint into ``model``/``optimizer`` (before :func:`distribute`
-    broadcasts them) and share its metadata with every rank.
-
-    The optimizer's learning rate is reset to the base ``--lr``, so ``distribute`` scales it for
-    this run's world size (which may differ from the checkpoint's).
+    broadcasts them, and scales the restored optimizer's saved base rate for this run's world
+    size, which may differ from the checkpoint's); share its metadata with every rank, and give
+    every rank its own RNG state back (dropout and augmentation continue as if never stopped).
 
     Raises:
         SystemExit: no usable checkpoint (on every rank, so none waits for the others).
@@ -45,18 +42,22 @@ def _resume(cfg: TrainConfig, info, model, optimizer) -> dict | None:
             payload = checkpoint.load(cfg.output_dir)
             model.load_state_dict(payload["model"])
             optimizer.load_state_dict(payload["optimizer"])
-            for group in optimizer.param_groups:
-                group["lr"] = cfg.lr
-                group.pop("initial_lr", None)
-                group.pop("hvdtrain_lr_scale", None)
-            checkpoint.set_rng_state(payload["rng"])
             meta = {k: payload[k] for k in ("epoch", "step", "size", "global_batch", "metrics")}
+            meta["rng"] = payload.get("rng_per_rank") or [payload["rng"]]
         except checkpoint.CheckpointError as exc:
             meta = {"error": str(exc)}
     meta = hvd.broadcast_object(meta, root_rank=0, name="hvdtrain.resume")
     if "error" in meta:
         raise SystemExit(f"hvdtrain: error: --resume: {meta['error']}")
+    if info.rank < len(meta["rng"]):  # ranks the checkpoint did not have keep their seeds
+        checkpoint.set_rng_state(meta["rng"][info.rank])
     return meta
+
+
+def _all_finite(tensors) -> bool:
+    """True when every tensor holds only finite numbers (one device synchronisation)."""
+    flags = [torch.isfinite(t).all() for t in tensors if t is not None]
+    return bool(torch.stack(flags).all()) if flags else True
 
 
 def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int, size: int,
@@ -104,7 +105,7 @@ def fit(cfg: TrainConfig) -> dict:
     loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler)
     x_test, y_test = torch.from_numpy(split.x_test), torch.from_numpy(split.y_test)
 
-    model = build_model(split.num_classes, split.x_train.shape[-1])
+    model = build_model(split.num_classes, split.x_train.shape[-1], cfg.dropout)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     k = cfg.backward_passes_per_step
     resumed = _resume(cfg, info, model, optimizer) if cfg.resume else None
@@ -117,8 +118,7 @@ def fit(cfg: TrainConfig) -> dict:
     start_epoch = resumed["epoch"] if resumed else 0
     step = start_epoch * steps_per_epoch  # the schedule position at this run's world size
     if step:
-        scheduler.last_epoch = step - 1
-        scheduler.step()
+        scheduler.load_state_dict({"last_step": step})
     out = Path(cfg.output_dir)
     header = run_header("torch", cfg, info, len(train_set), len(x_test), steps_per_epoch,
                         {"torch": torch.__version__, "horovod": horovod.__version__})
@@ -131,63 +131,80 @@ def fit(cfg: TrainConfig) -> dict:
                  resumed["epoch"], resumed["size"], resumed["global_batch"])
     fault = cfg.fault()
     skipped = 0
+    adasum = cfg.op == "adasum"
+    params = [p for group in optimizer.param_groups for p in group["params"]]
 
     for epoch in range(start_epoch, cfg.epochs):
         sampler.set_epoch(epoch)
         model.train()
         lr = optimizer.param_groups[0]["lr"]
-        loss_sum, correct, seen, steps = 0.0, 0, 0, 0
+        # Metrics stay on the device and are read once per epoch (no per-batch synchronisation).
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        correct = torch.zeros((), dtype=torch.int64)
+        seen = torch.zeros((), dtype=torch.int64)
+        group_nonfinite = torch.zeros((), dtype=torch.bool)
+        steps = 0
         start = time.perf_counter()
         bar = tqdm(total=len(loader), desc=f"epoch {epoch + 1}/{cfg.epochs}", unit="batch",
                    disable=not (info.is_root and cfg.progress), leave=False)
-        nonfinite = False
-        for (x, y), micro in micro_batches(loader, k):
+        for (x, y), micro in adapter.micro_batches(loader, k):
             logits = model(x)
             loss = F.cross_entropy(logits, y)
             if fault == (info.rank, step):
                 loss = loss * float("nan")
             (loss * micro.loss_scale).backward()
-            value = loss.item()
-            if math.isfinite(value):
-                loss_sum += value * micro.samples
-                correct += (logits.argmax(1) == y).sum().item()
-                seen += micro.samples
-            else:
-                nonfinite = True
+            with torch.no_grad():
+                finite = torch.isfinite(loss)
+                group_nonfinite |= ~finite
+                loss_sum += torch.where(finite, loss.double() * micro.samples, 0.0)
+                correct += torch.where(finite, (logits.argmax(1) == y).sum(), 0)
+                seen += finite.long() * micro.samples
             if micro.sync:
-                optimizer.synchronize()  # gradients all-reduced; now decide on every rank alike
-                bad_ranks = adapter.ranks_where(nonfinite, name="hvdtrain.nonfinite")
-                if bad_ranks:
+                if adasum:
+                    optimizer.step()  # Adasum combines the ranks' updates inside step()
+                    ok = _all_finite(params)  # the combined weights: equal on every rank
+                else:
+                    optimizer.synchronize()  # gradients averaged: bitwise equal on every rank,
+                    ok = _all_finite(p.grad for p in params)  # so every rank decides alike
+                    if ok:
+                        with optimizer.skip_synchronize():
+                            optimizer.step()
+                if ok:
+                    steps += 1
+                else:
+                    # Rare: only now one collective, to name the ranks whose loss was bad.
+                    bad_ranks = adapter.ranks_where(bool(group_nonfinite),
+                                                    name="hvdtrain.nonfinite")
                     message = runtime.nonfinite_message(bad_ranks, step, epoch + 1)
-                    if cfg.on_nonfinite == "stop":
-                        raise runtime.nonfinite_stop(message)
+                    if cfg.on_nonfinite == "stop" or adasum:
+                        raise runtime.nonfinite_stop(
+                            message + ("; with --op adasum the update is applied inside step(), "
+                                       "so it cannot be skipped" if adasum else ""))
                     log.warning("%s: step skipped on all ranks", message)
                     skipped += 1
-                else:
-                    with optimizer.skip_synchronize():
-                        optimizer.step()
-                    steps += 1
                 scheduler.step()  # the schedule follows step, taken or skipped
                 optimizer.zero_grad()
-                nonfinite = False
+                group_nonfinite.zero_()
                 step += 1
             bar.update()
         bar.close()
         seconds = time.perf_counter() - start
-        totals = adapter.allreduce_sums({"loss": loss_sum, "correct": correct, "n": seen,
-                                         "seconds": seconds}, name="hvdtrain.train")
+        totals = adapter.allreduce_sums({"loss": loss_sum.item(), "correct": correct.item(),
+                                         "n": seen.item(), "seconds": seconds},
+                                        name="hvdtrain.train")
         test_loss, test_acc = evaluate(model, x_test, y_test, info.rank, info.size)
         epoch_seconds = totals["seconds"] / info.size  # mean wall time over ranks
-        metrics = EpochMetrics(epoch + 1, totals["loss"] / totals["n"],
-                               totals["correct"] / totals["n"], test_loss, test_acc, lr, steps,
-                               epoch_seconds, totals["n"] / epoch_seconds)
+        metrics = EpochMetrics(epoch + 1, totals["loss"] / max(totals["n"], 1),
+                               totals["correct"] / max(totals["n"], 1), test_loss, test_acc, lr,
+                               steps, epoch_seconds, totals["n"] / epoch_seconds)
         report.header["skipped_steps"] = skipped
+        rng_per_rank = hvd.allgather_object(checkpoint.rng_state(), name="hvdtrain.rng")
         if info.is_root:
             checkpoint.save(out, {
                 "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "epoch": epoch + 1, "step": step, "size": info.size,
                 "global_batch": cfg.global_batch(info.size), "config": cfg.to_dict(),
-                "rng": checkpoint.rng_state(),
+                "rng": rng_per_rank[0], "rng_per_rank": rng_per_rank,
                 "metrics": [vars(e) for e in report.epochs + [metrics]]})
         report.add(metrics)
     # Every rank must hold the same weights; a divergence would be a bug worth knowing about.

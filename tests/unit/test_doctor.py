@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from hvdtrain.doctor import parse_check_build, problems
+from hvdtrain.doctor import notes, parse_check_build, problems
 
 FULL = """Horovod v0.28.1:
 
@@ -36,10 +36,18 @@ def test_parse_full_build():
     assert problems(info) == []
 
 
-def test_build_without_pytorch_is_reported_with_the_fix():
-    info = parse_check_build(FULL.replace("[X] PyTorch", "[ ] PyTorch"))
-    (issue,) = problems(info)
-    assert "without PyTorch support" in issue and "HOROVOD_WITH_PYTORCH=1" in issue
+def test_build_with_pytorch_only_is_usable_and_says_what_keras_needs():
+    info = parse_check_build(FULL.replace("[X] TensorFlow", "[ ] TensorFlow"))
+    assert problems(info) == []
+    (note,) = notes(info)
+    assert "--framework keras will not run" in note and "HOROVOD_WITH_TENSORFLOW=1" in note
+
+
+def test_build_without_any_framework_is_reported_with_the_fix():
+    text = FULL.replace("[X] PyTorch", "[ ] PyTorch").replace("[X] TensorFlow", "[ ] TensorFlow")
+    (issue,) = problems(parse_check_build(text))
+    assert "without PyTorch or TensorFlow support" in issue
+    assert "HOROVOD_WITH_PYTORCH=1" in issue and "HOROVOD_WITH_TENSORFLOW=1" in issue
 
 
 def test_build_without_controllers():
@@ -67,13 +75,24 @@ def test_doctor_on_this_machine_reports_a_usable_build():
     assert "Open MPI" in proc.stdout and "status:             ok" in proc.stdout
 
 
-def test_doctor_fails_on_a_build_without_pytorch(tmp_path):
-    # A horovodrun on PATH whose --check-build reports no PyTorch support.
+def _fake_horovodrun(tmp_path, text):
+    """A horovodrun on PATH whose --check-build prints ``text``."""
     fake = tmp_path / "horovodrun"
-    fake.write_text("#!/bin/sh\ncat <<'OUT'\n" + FULL.replace("[X] PyTorch", "[ ] PyTorch")
-                    + "OUT\n")
+    fake.write_text("#!/bin/sh\ncat <<'OUT'\n" + text + "OUT\n")
     fake.chmod(0o755)
-    proc = _doctor(f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    return f"{tmp_path}{os.pathsep}{os.environ['PATH']}"
+
+
+def test_doctor_passes_a_pytorch_only_build_with_a_note(tmp_path):
+    proc = _doctor(_fake_horovodrun(tmp_path, FULL.replace("[X] TensorFlow", "[ ] TensorFlow")))
+    assert proc.returncode == 0, proc.stderr
+    assert "--framework keras will not run" in proc.stderr
+    assert "status:             ok" in proc.stdout
+
+
+def test_doctor_fails_on_a_build_without_frameworks(tmp_path):
+    text = FULL.replace("[X] PyTorch", "[ ] PyTorch").replace("[X] TensorFlow", "[ ] TensorFlow")
+    proc = _doctor(_fake_horovodrun(tmp_path, text))
     assert proc.returncode == 1
-    assert "Horovod was built without PyTorch support" in proc.stderr
+    assert "Horovod was built without PyTorch or TensorFlow support" in proc.stderr
     assert "status:             NOT usable" in proc.stdout
