@@ -11,6 +11,7 @@ import allreduce
 import common
 import compare
 import scaling
+import trainer
 
 
 def main() -> None:
@@ -20,7 +21,8 @@ def main() -> None:
                          "\n\nhvdtrain's launcher setting on this machine: mpi_yield_when_idle=1 "
                          "(ranks per host >= cores).")
     for name, module in (("scaling", scaling), ("allreduce", allreduce),
-                         ("accumulation", accumulation), ("compare", compare)):
+                         ("accumulation", accumulation), ("compare", compare),
+                         ("trainer", trainer)):
         t0 = time.perf_counter()
         print(f"== {name}", flush=True)
         module.main(["--readme"])

@@ -78,6 +78,20 @@ def seed_python_numpy(seed: int) -> None:
     np.random.seed(seed)
 
 
+def count_hosts(local_rank: int, cross_size: int, allreduce_sums) -> int:
+    """Hosts in the job: the ranks whose ``local_rank`` is 0, counted with one all-reduce
+    (``allreduce_sums`` is the adapter's; every rank must call this at the same point).
+
+    Horovod's ``cross_size()`` is no count of hosts when hosts have unequal slots (2 + 1 slots:
+    it is 2 on the ranks with local rank 0, 1 on the other). Under Horovod Elastic
+    (``HOROVOD_ELASTIC=1``) no collective may run outside the elastic loop (a joining worker
+    would meet the others' state sync), so there ``cross_size`` is returned as is.
+    """
+    if os.environ.get("HOROVOD_ELASTIC") == "1":
+        return cross_size
+    return int(allreduce_sums({"hosts": float(local_rank == 0)})["hosts"])
+
+
 class RankInfo:
     """What ``init()`` set up for this process (both adapters return one).
 

@@ -44,7 +44,7 @@ def init(seed: int = 42, threads: int | None = None) -> runtime.RankInfo:
     ``max(1, cores // local_size)`` and inter-op threads to 1; seeds TensorFlow, NumPy and
     ``random`` (``tf.keras.utils.set_random_seed``) with ``runtime.rank_seed(seed, rank)`` (rank 0
     gets ``seed``; :func:`distribute` makes all models equal to rank 0's). Counts the hosts with
-    one all-reduce (every rank must call ``init``).
+    one all-reduce (every rank must call ``init``; :func:`hvdtrain.runtime.count_hosts`).
 
     Returns:
         The :class:`~hvdtrain.runtime.RankInfo` of this process.
@@ -59,7 +59,8 @@ def init(seed: int = 42, threads: int | None = None) -> runtime.RankInfo:
         threads = tf.config.threading.get_intra_op_parallelism_threads() or threads
     seed = runtime.rank_seed(seed, hvd.rank())
     tf.keras.utils.set_random_seed(seed)
-    hosts = int(allreduce_sums({"hosts": hvd.local_rank() == 0}, name="hvdtrain.hosts")["hosts"])
+    hosts = runtime.count_hosts(hvd.local_rank(), hvd.cross_size(),
+                                lambda values: allreduce_sums(values, name="hvdtrain.hosts"))
     _INFO = runtime.RankInfo(hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size(), threads,
                              seed, hosts)
     return _INFO

@@ -38,7 +38,7 @@ def init(seed: int = 42, threads: int | None = None) -> runtime.RankInfo:
     ``max(1, cores // local_size)``; seeds torch, NumPy and ``random`` with
     ``runtime.rank_seed(seed, rank)`` (rank 0 gets ``seed``; other ranks differ, and
     :func:`distribute` makes their models equal by broadcasting rank 0's). Counts the hosts with
-    one all-reduce (every rank must call ``init``).
+    one all-reduce (every rank must call ``init``; :func:`hvdtrain.runtime.count_hosts`).
 
     Returns:
         The :class:`~hvdtrain.runtime.RankInfo` of this process.
@@ -50,7 +50,8 @@ def init(seed: int = 42, threads: int | None = None) -> runtime.RankInfo:
     seed = runtime.rank_seed(seed, hvd.rank())
     torch.manual_seed(seed)
     runtime.seed_python_numpy(seed)
-    hosts = int(allreduce_sums({"hosts": hvd.local_rank() == 0}, name="hvdtrain.hosts")["hosts"])
+    hosts = runtime.count_hosts(hvd.local_rank(), hvd.cross_size(),
+                                lambda values: allreduce_sums(values, name="hvdtrain.hosts"))
     _INFO = runtime.RankInfo(hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size(), threads,
                              seed, hosts)
     return _INFO
@@ -107,14 +108,19 @@ def micro_batches(batches, backward_passes_per_step: int, samples_of=leading_dim
     rank the same number of equal batches, or end each rank's loop with Horovod's ``hvd.join()``
     and weigh losses by the global sample count yourself.
 
-    When ``batches`` has a length, the ranks' lengths are compared before the first batch with
-    one all-reduce (every rank must start the loop), so unequal counts fail at once on every rank
+    When ``batches`` has a length, the ranks' lengths are compared right here, in the call, with
+    one all-reduce (every rank must call it), so unequal counts fail at once on every rank
     instead of hanging later.
+
+    Returns:
+        An iterator of ``(batch, MicroBatch)``.
 
     Raises:
         ValueError: the ranks have different numbers of batches (on every rank), or the errors
-            of :func:`hvdtrain.accumulation.micro_batches`.
+            of :func:`hvdtrain.accumulation.micro_batches` (when iterating).
     """
+    if backward_passes_per_step < 1:  # before the collective, so no rank waits for another
+        raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
     if hvd.size() > 1 and hasattr(batches, "__len__"):
         count = len(batches)
         low, neg_high = hvd.allreduce(torch.tensor([count, -count], dtype=torch.int64),
@@ -125,7 +131,7 @@ def micro_batches(batches, backward_passes_per_step: int, samples_of=leading_dim
                 f"{-neg_high}; this rank: {count}), so some would wait forever in the all-reduce: "
                 "shard with torch.utils.data.DistributedSampler (it pads every rank to the same "
                 "length) or give every rank the same number of batches")
-    yield from accumulation.micro_batches(batches, backward_passes_per_step, samples_of)
+    return accumulation.micro_batches(batches, backward_passes_per_step, samples_of)
 
 
 def _broadcast_tensors_(tensors: list[tuple[str, torch.Tensor]], root_rank: int) -> None:
@@ -299,10 +305,14 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     Raises:
         ValueError: an unknown ``lr_scaling``/``compression``/``op``, ``"linear"`` with
             ``"adasum"``, k < 1, an optimizer that does not hold exactly the model's parameters,
-            or a scheduler built before ``distribute`` while the rate is scaled (the message says
-            what to change).
+            a scheduler built before ``distribute`` while the rate is scaled, or ``"adasum"`` on a
+            number of ranks that is not a power of 2 (the message says what to change).
     """
     check_distribute_args(backward_passes_per_step, compression, op, _COMPRESSIONS, _OPS)
+    size = hvd.size()
+    if op == "adasum" and size & (size - 1):
+        raise ValueError(f"op='adasum' needs a power-of-2 number of ranks (Horovod 0.28.1 "
+                         f"supports no other), got {size}; use op='average' or 2, 4, 8 ... ranks")
     lr_scaling = schedule.resolve_lr_scaling(lr_scaling, op)
     factor = schedule.scale_factor(lr_scaling, hvd.size(), backward_passes_per_step)
     model_params = {id(p) for p in model.parameters()}

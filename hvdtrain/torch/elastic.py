@@ -61,8 +61,8 @@ def fit_elastic(cfg: TrainConfig) -> dict:
     loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler)
 
     model = build_model(split.num_classes, split.x_train.shape[-1])
-    # foreach/fused given explicitly: Horovod's state sync broadcasts every optimizer option as a
-    # tensor and fails on PyTorch's default None for them.
+    # foreach=False: the plain per-parameter SGD. (Horovod 0.28.1's state sync keeps None
+    # options as they are; an earlier note here said otherwise.)
     base = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, foreach=False)
     optimizer = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
     out = Path(cfg.output_dir)

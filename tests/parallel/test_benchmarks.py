@@ -86,3 +86,16 @@ def test_compare_tiny(tmp_path):
     assert set(data["ratios"]) == {"hvdtrain / DDP", "hvdtrain / plain Horovod (defaults)",
                                    "hvdtrain / plain Horovod (tuned launcher)"}
     assert all(v > 0 for v in data["medians"].values())
+
+
+def test_trainer_tiny(tmp_path):
+    env = job_env()
+    env["HVDTRAIN_BENCH_RESULTS"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, str(BENCH / "trainer.py"), "--repeats", "1",
+                           "--epochs", "2", "--samples", "512"], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "trainer.json").read_text())
+    assert data["ratio"] == pytest.approx(data["trainer_samples_per_sec"]
+                                          / data["plain_samples_per_sec"])
+    assert data["plain_samples_per_sec"] > 0 and len(data["trainer_runs"]) == 1

@@ -44,6 +44,23 @@ def test_ranks_run_on_different_hosts(hosts, launcher, tmp_path):
     assert all(r["local_size"] == 1 and r["cross_size"] == 2 for r in ranks)
 
 
+def test_hosts_are_counted_right_with_unequal_slots(hosts, tmp_path):
+    # 2 slots on the first host, 1 on the second (hostfiles/mixed-slots.txt's shape): Horovod's
+    # cross_size is 2 for the ranks with local rank 0 but 1 for the first host's local rank 1.
+    first, second = hosts.addresses
+    hostfile = tmp_path / "mixed"
+    hostfile.write_text(f"{first} slots=2\n{second} slots=1\n")
+    out = tmp_path / "where.json"
+    argv = [str(BIN / "hvdtrain"), "launch", "--hostfile", str(hostfile), "-np", "3",
+            "--ssh-port", str(hosts.port), "--ssh-identity-file", str(hosts.identity),
+            "--network-interfaces", "lo", "--", *script("whereami.py"), "--out", str(out)]
+    run(argv)
+    ranks = json.loads(out.read_text())
+    assert sorted(r["host"] for r in ranks) == [first, first, second]
+    assert sorted(r["cross_size"] for r in ranks) == [1, 2, 2]  # why cross_size cannot count hosts
+    assert all(r["hosts"] == 2 and r["rank_info_hosts"] == 2 for r in ranks)
+
+
 @pytest.fixture(scope="module")
 def single_host(tmp_path_factory):
     """The same training on one host (-np 2 on localhost), per framework."""

@@ -41,8 +41,9 @@ def one_epoch(k: int, info, samples: int, batch_size: int, timeline: str) -> dic
     loader = DataLoader(data, batch_size=batch_size, sampler=sampler)
     calls["n"] = 0
     steps = micro = 0
+    batches = ht.micro_batches(loader, k)  # compares the ranks' batch counts (one all-reduce)
     hvd.start_timeline(timeline, mark_cycles=False)
-    for (x, y), mb in ht.micro_batches(loader, k):
+    for (x, y), mb in batches:
         (F.cross_entropy(model(x), y) * mb.loss_scale).backward()
         micro += 1
         if mb.sync:

@@ -1,5 +1,6 @@
 """Each rank reports where it runs: the test host it was started on (the server address of its
-ssh session, or "local"), and Horovod's local_size / cross_size. Rank 0 writes the JSON.
+ssh session, or "local"), Horovod's local_size / cross_size, and the host count of
+``hvdtrain.torch.init()``. Rank 0 writes the JSON.
 
 Launch::
 
@@ -11,17 +12,19 @@ import os
 import socket
 
 import horovod.torch as hvd
+import hvdtrain.torch as ht
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    hvd.init()
+    info = ht.init()
     ssh = os.environ.get("SSH_CONNECTION", "").split()
     me = {"rank": hvd.rank(), "host": ssh[2] if len(ssh) == 4 else "local",
           "hostname": socket.gethostname(), "local_size": hvd.local_size(),
-          "cross_size": hvd.cross_size(), "pid": os.getpid()}
+          "cross_size": hvd.cross_size(), "hosts": info.hosts,
+          "rank_info_hosts": ht.rank_info().hosts, "pid": os.getpid()}
     everyone = hvd.allgather_object(me)
     if hvd.rank() == 0:
         with open(args.out, "w") as f:

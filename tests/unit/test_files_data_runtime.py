@@ -94,3 +94,18 @@ def test_python_numpy_rng_state_round_trips_through_json():
     random.random()
     runtime.set_python_numpy_rng_state(state)
     assert (np.random.rand(3) == expected[0]).all() and random.random() == expected[1]
+
+
+def test_count_hosts_sums_local_rank_zeros_except_under_elastic(monkeypatch):
+    seen = []
+
+    def fake_allreduce(values):  # what three ranks (local ranks 0, 1 | 0) would sum to
+        seen.append(values)
+        return {"hosts": 2.0}
+
+    monkeypatch.delenv("HOROVOD_ELASTIC", raising=False)
+    assert runtime.count_hosts(1, 1, fake_allreduce) == 2
+    assert seen == [{"hosts": 0.0}]
+    # Elastic: no collective outside the elastic loop; Horovod's cross_size is used.
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    assert runtime.count_hosts(0, 3, fake_allreduce) == 3 and len(seen) == 1
