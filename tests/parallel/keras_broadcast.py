@@ -64,6 +64,9 @@ def main() -> None:
     after_batch = {k: v for k, v in snapshot(model, optimizer).items() if k.startswith("model.")
                    and "moving" not in k}  # BatchNorm statistics are local by design
     gathered = [hvd_tf.allgather_object(s) for s in (before, after, after_batch)]
+    later = hk.rank_info()  # what init() set up, the same fields as hvdtrain.torch's
+    infos = hvd_tf.allgather_object({"same": repr(later) == repr(info), "seed": later.seed,
+                                     "hosts": later.hosts})
     if info.rank == 0:
         all_before, all_after, all_batch = gathered
         result = {
@@ -73,6 +76,7 @@ def main() -> None:
             "spread_after": max(max_diff(a, all_after[0]) for a in all_after),
             "root_changed": max_diff(all_before[0], all_after[0]),
             "spread_after_first_batch": max(max_diff(a, all_batch[0]) for a in all_batch),
+            "rank_info": infos,
         }
         with open(args.out, "w") as f:
             json.dump(result, f)

@@ -32,6 +32,9 @@ def test_broadcast_before_the_first_step(tmp_path):
     assert r["spread_after"] == 0.0  # weights, BatchNorm statistics, Adam slots and step count
     assert r["root_changed"] == 0.0
     assert r["spread_after_first_batch"] == 0.0
+    # rank_info() returns what init() set up: real seeds (distinct per rank), one host.
+    assert all(i["same"] and i["seed"] >= 0 and i["hosts"] == 1 for i in r["rank_info"])
+    assert len({i["seed"] for i in r["rank_info"]}) == 2
 
 
 def test_warmup_lr_read_from_the_optimizer_follows_schedule(tmp_path):
