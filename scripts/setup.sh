@@ -125,6 +125,13 @@ build_horovod() {
     "$PY" -m pip wheel --no-deps --no-build-isolation --no-cache-dir -w "$wheel_dir.tmp" "$src"
   rm -rf "$wheel_dir" && mv "$wheel_dir.tmp" "$wheel_dir"
 }
+summarize_check_build() {  # horovodrun --check-build's [X] items, one line per section kind
+  awk '/:[[:space:]]*$/ {sec=$0; sub(/:[[:space:]]*$/,"",sec); sub(/^Available /,"",sec)}
+       /\[X\]/ {name=$0; sub(/^[[:space:]]*\[X\][[:space:]]*/,"",name); sub(/[[:space:]]+$/,"",name)
+               list[sec]=list[sec] (list[sec] ? ", " : "") name}
+       END {printf "frameworks %s; controllers %s; tensor operations %s\n", list["Frameworks"],
+            list["Controllers"], list["Tensor Operations"]}'
+}
 install_horovod() {
   "$PY" -m pip install --disable-pip-version-check --no-deps --force-reinstall \
     "$wheel_dir"/horovod-*.whl
@@ -138,8 +145,8 @@ if [ ! -f "$horovod_stamp" ] && ! have_horovod; then
       build_horovod
   fi
   phase "installing Horovod from $wheel_dir" install_horovod
-  log "Horovod built with: $(TF_CPP_MIN_LOG_LEVEL=3 "$VENV/bin/horovodrun" --check-build \
-      2>>"$LOG" | sed -n 's/^ *\[X\] //p' | paste -sd, -)"
+  log "Horovod built with $(TF_CPP_MIN_LOG_LEVEL=3 "$VENV/bin/horovodrun" --check-build \
+      2>>"$LOG" | summarize_check_build)"
 fi
 touch "$horovod_stamp"
 
