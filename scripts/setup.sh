@@ -108,7 +108,8 @@ PY
 build_horovod() {
   local work src
   work=$(mktemp -d)
-  trap 'rm -rf "$work"' EXIT
+  # Expanded now: the trap runs when phase's subshell exits, after this function's locals are gone.
+  trap "rm -rf '$work'" EXIT
   "$PY" -m pip download --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$work"
   tar -xzf "$work"/horovod-"$HOROVOD_VERSION".tar.gz -C "$work"
   src=$work/horovod-$HOROVOD_VERSION

@@ -108,9 +108,10 @@ def micro_batches(batches, backward_passes_per_step: int, samples_of=leading_dim
     rank the same number of equal batches, or end each rank's loop with Horovod's ``hvd.join()``
     and weigh losses by the global sample count yourself.
 
-    When ``batches`` has a length, the ranks' lengths are compared right here, in the call, with
-    one all-reduce (every rank must call it), so unequal counts fail at once on every rank
-    instead of hanging later.
+    When ``batches`` has a length on every rank, the ranks' lengths are compared right here, in
+    the call, with one all-reduce (every rank must call it), so unequal counts fail at once on
+    every rank instead of hanging later. Without a length (an ``IterableDataset``) nothing is
+    checked.
 
     Returns:
         An iterator of ``(batch, MicroBatch)``.
@@ -121,11 +122,15 @@ def micro_batches(batches, backward_passes_per_step: int, samples_of=leading_dim
     """
     if backward_passes_per_step < 1:  # before the collective, so no rank waits for another
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
-    if hvd.size() > 1 and hasattr(batches, "__len__"):
-        count = len(batches)
+    if hvd.size() > 1:
+        try:
+            count = len(batches)
+        except TypeError:  # e.g. a DataLoader over an IterableDataset without a length
+            count = -1
+        # Every rank takes part, with a length or without: -1 anywhere means "unknown", no check.
         low, neg_high = hvd.allreduce(torch.tensor([count, -count], dtype=torch.int64),
                                       op=hvd.Min, name="hvdtrain.batch_counts").tolist()
-        if low != -neg_high:
+        if low >= 0 and low != -neg_high:
             raise ValueError(
                 f"the ranks have different numbers of batches per epoch (between {low} and "
                 f"{-neg_high}; this rank: {count}), so some would wait forever in the all-reduce: "

@@ -42,6 +42,8 @@ def _resume(cfg: TrainConfig, info, model, optimizer) -> dict | None:
             payload = checkpoint.load(cfg.output_dir)
             model.load_state_dict(payload["model"])
             optimizer.load_state_dict(payload["optimizer"])
+            for group in optimizer.param_groups:  # this run's --lr is the base distribute scales
+                group["hvdtrain_base_lr"] = cfg.lr
             meta = {k: payload[k] for k in ("epoch", "step", "size", "global_batch", "metrics")}
             meta["rng"] = payload.get("rng_per_rank") or [payload["rng"]]
         except checkpoint.CheckpointError as exc:

@@ -60,6 +60,10 @@ def test_unequal_batch_counts_fail_on_every_rank(checks):
                for m in messages)
 
 
+def test_a_loader_without_length_is_not_checked(checks):
+    assert checks["iterable_micro_batches"] == 4  # 8 samples, batches of 2
+
+
 def test_state_broadcast_memory_stays_near_the_state_size(tmp_path):
     # 24 M parameters: Adam's two moments are 192 MB. A whole state_dict through one pickled
     # object costs the root about twice that on top (pickle + byte tensor) and the others three

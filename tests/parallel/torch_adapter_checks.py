@@ -144,6 +144,16 @@ def unequal_batch_counts(rank):
         return str(exc)
 
 
+def iterable_without_length():
+    """A DataLoader over an IterableDataset has no length: the loop runs, unchecked."""
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter([(torch.zeros(4), 0)] * 8)
+
+    loader = torch.utils.data.DataLoader(Stream(), batch_size=2)
+    return sum(1 for _ in ht.micro_batches(loader, 2))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -154,7 +164,8 @@ def main() -> None:
               "before": scheduler_before_distribute(),
               "warmup": warmup_with_user_scheduler(info.size),
               "adasum": adasum_defaults(),
-              "unequal": hvd.allgather_object(unequal_batch_counts(info.rank))}
+              "unequal": hvd.allgather_object(unequal_batch_counts(info.rank)),
+              "iterable_micro_batches": iterable_without_length()}
     everyone = hvd.allgather_object(json.dumps(result, sort_keys=True))
     result["ranks_agree"] = len(set(everyone)) == 1
     if info.rank == 0:
