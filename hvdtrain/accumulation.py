@@ -73,10 +73,16 @@ def micro_batches(batches: Iterable[Any], backward_passes_per_step: int,
         samples_of: returns the number of samples in a batch.
 
     Raises:
-        ValueError: k < 1, or a batch with no samples.
+        ValueError: k < 1 (at the call), or a batch with no samples (when iterating).
     """
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+    return _groups(batches, backward_passes_per_step, samples_of)
+
+
+def _groups(batches: Iterable[Any], backward_passes_per_step: int,
+            samples_of: Callable[[Any], int]) -> Iterator[tuple[Any, MicroBatch]]:
+    """The generator behind :func:`micro_batches` (which checks its arguments at the call)."""
     group: list[Any] = []
     iterator = iter(batches)
     while True:

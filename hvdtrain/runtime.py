@@ -122,6 +122,27 @@ class RankInfo:
                 f"hosts={self.hosts})")
 
 
+_RANK_INFO: RankInfo | None = None  # what the adapter's init() set up in this process
+
+
+def remember_rank_info(info: RankInfo) -> RankInfo:
+    """Keep what an adapter's ``init()`` set up, for its ``rank_info()``; returns ``info``."""
+    global _RANK_INFO
+    _RANK_INFO = info
+    return info
+
+
+def remembered_rank_info(init_name: str) -> RankInfo:
+    """What :func:`remember_rank_info` kept (both adapters' ``rank_info()``).
+
+    Raises:
+        RuntimeError: no ``init()`` ran yet; the message names ``init_name`` to call.
+    """
+    if _RANK_INFO is None:
+        raise RuntimeError(f"call {init_name} first")
+    return _RANK_INFO
+
+
 def ranks_where(flag: bool, rank: int, size: int, allreduce_sums) -> list[int]:
     """The ranks on which ``flag`` is true, known to every rank after one all-reduce of ``size``
     numbers (``allreduce_sums`` is the adapter's). Every rank must call it at the same point.

@@ -34,9 +34,6 @@ NONFINITE_MODES = ("skip", "stop")
 log = logging.getLogger("hvdtrain")
 
 
-_INFO: runtime.RankInfo | None = None  # what init() set up; rank_info() returns it
-
-
 def init(seed: int = 42, threads: int | None = None) -> runtime.RankInfo:
     """Start Horovod, give this rank its share of the cores, and seed it.
 
@@ -49,7 +46,6 @@ def init(seed: int = 42, threads: int | None = None) -> runtime.RankInfo:
     Returns:
         The :class:`~hvdtrain.runtime.RankInfo` of this process.
     """
-    global _INFO
     hvd.init()
     threads = runtime.thread_budget(hvd.local_size()) if threads is None else int(threads)
     try:
@@ -61,9 +57,8 @@ def init(seed: int = 42, threads: int | None = None) -> runtime.RankInfo:
     tf.keras.utils.set_random_seed(seed)
     hosts = runtime.count_hosts(hvd.local_rank(), hvd.cross_size(),
                                 lambda values: allreduce_sums(values, name="hvdtrain.hosts"))
-    _INFO = runtime.RankInfo(hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size(), threads,
-                             seed, hosts)
-    return _INFO
+    return runtime.remember_rank_info(runtime.RankInfo(
+        hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size(), threads, seed, hosts))
 
 
 def rank_info() -> runtime.RankInfo:
@@ -72,9 +67,7 @@ def rank_info() -> runtime.RankInfo:
     Raises:
         RuntimeError: :func:`init` has not been called.
     """
-    if _INFO is None:
-        raise RuntimeError("call hvdtrain.keras.init() first")
-    return _INFO
+    return runtime.remembered_rank_info("hvdtrain.keras.init()")
 
 
 def allreduce_sums(values: dict[str, float], name: str = "hvdtrain.metrics") -> dict[str, float]:

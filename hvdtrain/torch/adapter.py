@@ -28,9 +28,6 @@ _COMPRESSIONS = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
 _OPS = {"average": hvd.Average, "adasum": hvd.Adasum}
 
 
-_INFO: runtime.RankInfo | None = None  # what init() set up; rank_info() returns it
-
-
 def init(seed: int = 42, threads: int | None = None) -> runtime.RankInfo:
     """Start Horovod, give this rank its share of the cores, and seed it.
 
@@ -43,7 +40,6 @@ def init(seed: int = 42, threads: int | None = None) -> runtime.RankInfo:
     Returns:
         The :class:`~hvdtrain.runtime.RankInfo` of this process.
     """
-    global _INFO
     hvd.init()
     threads = runtime.thread_budget(hvd.local_size()) if threads is None else int(threads)
     torch.set_num_threads(threads)
@@ -52,9 +48,8 @@ def init(seed: int = 42, threads: int | None = None) -> runtime.RankInfo:
     runtime.seed_python_numpy(seed)
     hosts = runtime.count_hosts(hvd.local_rank(), hvd.cross_size(),
                                 lambda values: allreduce_sums(values, name="hvdtrain.hosts"))
-    _INFO = runtime.RankInfo(hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size(), threads,
-                             seed, hosts)
-    return _INFO
+    return runtime.remember_rank_info(runtime.RankInfo(
+        hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size(), threads, seed, hosts))
 
 
 def rank_info() -> runtime.RankInfo:
@@ -63,9 +58,7 @@ def rank_info() -> runtime.RankInfo:
     Raises:
         RuntimeError: :func:`init` has not been called.
     """
-    if _INFO is None:
-        raise RuntimeError("call hvdtrain.torch.init() first")
-    return _INFO
+    return runtime.remembered_rank_info("hvdtrain.torch.init()")
 
 
 def allreduce_sums(values: dict[str, float], name: str = "hvdtrain.metrics") -> dict[str, float]:
@@ -120,8 +113,8 @@ def micro_batches(batches, backward_passes_per_step: int, samples_of=leading_dim
         ValueError: the ranks have different numbers of batches (on every rank), or the errors
             of :func:`hvdtrain.accumulation.micro_batches` (when iterating).
     """
-    if backward_passes_per_step < 1:  # before the collective, so no rank waits for another
-        raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+    # Argument checks first (at the call), so no rank reaches the collective alone.
+    groups = accumulation.micro_batches(batches, backward_passes_per_step, samples_of)
     if hvd.size() > 1:
         try:
             count = len(batches)
@@ -136,7 +129,7 @@ def micro_batches(batches, backward_passes_per_step: int, samples_of=leading_dim
                 f"{-neg_high}; this rank: {count}), so some would wait forever in the all-reduce: "
                 "shard with torch.utils.data.DistributedSampler (it pads every rank to the same "
                 "length) or give every rank the same number of batches")
-    return accumulation.micro_batches(batches, backward_passes_per_step, samples_of)
+    return groups
 
 
 def _broadcast_tensors_(tensors: list[tuple[str, torch.Tensor]], root_rank: int) -> None:
@@ -319,7 +312,7 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         raise ValueError(f"op='adasum' needs a power-of-2 number of ranks (Horovod 0.28.1 "
                          f"supports no other), got {size}; use op='average' or 2, 4, 8 ... ranks")
     lr_scaling = schedule.resolve_lr_scaling(lr_scaling, op)
-    factor = schedule.scale_factor(lr_scaling, hvd.size(), backward_passes_per_step)
+    factor = schedule.scale_factor(lr_scaling, size, backward_passes_per_step)
     model_params = {id(p) for p in model.parameters()}
     opt_params = {id(p) for g in optimizer.param_groups for p in g["params"]}
     if opt_params - model_params:
