@@ -32,7 +32,7 @@ for epoch in range(10):
     sampler.set_epoch(epoch)
     for (x, y), micro in ht.micro_batches(loader, K):
         loss = F.cross_entropy(model(x), y)
-        (loss * micro.loss_scale).backward()                   # mean over the global batch
+        (loss * micro.loss_weight).backward()                  # mean over the global batch
         if micro.sync:                                         # last micro-batch of the group
             optimizer.step()                                   # all-reduce happens here
             optimizer.zero_grad()

@@ -3,4 +3,4 @@
 Framework adapters live in :mod:`hvdtrain.torch` and :mod:`hvdtrain.keras`; this package root
 imports neither framework.
 """
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -12,6 +12,7 @@ Framework-free: both adapters use it.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
@@ -25,7 +26,10 @@ class MicroBatch:
         group_size: micro-batches in this group (k, or r < k for the epoch's last group).
         samples: samples in this micro-batch (its leading dimension).
         group_samples: samples in the whole group on this rank.
-        loss_scale: ``samples / group_samples``; multiply the micro-batch's mean loss by it.
+        loss_weight: ``samples / group_samples``; multiply the micro-batch's mean loss by it.
+            (Called ``loss_scale`` before 0.2; that name still works, with a
+            ``DeprecationWarning``, and is easily confused with AMP's loss scale,
+            ``torch.amp.GradScaler.scale``, which sits in the same loop.)
             After Horovod averages the ranks' gradients, the step is the mean over the global
             batch only when every rank's group holds the same number of samples (true for a
             padded ``DistributedSampler`` with equal batch sizes; see
@@ -36,8 +40,16 @@ class MicroBatch:
     group_size: int
     samples: int
     group_samples: int
-    loss_scale: float
+    loss_weight: float
     sync: bool
+
+    @property
+    def loss_scale(self) -> float:
+        """Deprecated name of :attr:`loss_weight` (kept so existing loops keep working)."""
+        warnings.warn("MicroBatch.loss_scale is deprecated: use MicroBatch.loss_weight (the name "
+                      "'loss scale' belongs to mixed precision's GradScaler)", DeprecationWarning,
+                      stacklevel=2)
+        return self.loss_weight
 
 
 def leading_dim(batch: Any) -> int:
@@ -100,7 +112,7 @@ def _groups(batches: Iterable[Any], backward_passes_per_step: int,
         total = sum(counts)
         for i, (batch, n) in enumerate(zip(group, counts)):
             yield batch, MicroBatch(index=i, group_size=len(group), samples=n, group_samples=total,
-                                    loss_scale=n / total, sync=(i == len(group) - 1))
+                                    loss_weight=n / total, sync=(i == len(group) - 1))
 
 
 def check_distribute_args(backward_passes_per_step, compression: str, op: str,

@@ -16,7 +16,8 @@ import argparse
 import sys
 
 from hvdtrain import __version__, runtime
-from hvdtrain.config import COMPRESSIONS, DATASETS, FRAMEWORKS, OPS, ConfigError, TrainConfig
+from hvdtrain.config import (COMPRESSIONS, DATASETS, DEVICES, FRAMEWORKS, OPS, PRECISIONS,
+                             ConfigError, TrainConfig)
 from hvdtrain.schedule import LR_SCALING_RULES
 
 
@@ -64,6 +65,16 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                         help="Horovod Elastic training (launch with hvdtrain launch --elastic)")
     parser.add_argument("--commit-every", type=int, default=d.commit_every,
                         help="elastic: commit the state every N optimizer steps")
+    parser.add_argument("--device", default=d.device,
+                        help=f"one of {', '.join(DEVICES)}: auto = a GPU per rank when the host "
+                             "has them, else the CPU")
+    parser.add_argument("--precision", default=d.precision,
+                        help=f"one of {', '.join(PRECISIONS)}: bf16 and fp16 are mixed precision "
+                             "(fp16 with a dynamic loss scale)")
+    parser.add_argument("--init-loss-scale", type=float, default=d.init_loss_scale,
+                        help="fp16: the dynamic loss scale's starting value")
+    parser.add_argument("--batchnorm", action="store_true",
+                        help="BatchNorm after each convolution (statistics averaged over ranks)")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -158,12 +169,20 @@ def cmd_launch(args: argparse.Namespace) -> int:
         hf.check_np(hosts, args.np)
     except hf.HostfileError as exc:
         return _fail(str(exc))
-    tuning = {} if args.no_tuning else hf.launch_tuning()
-    if tuning:
-        print(f"hvdtrain: ranks use every core they share, so idle MPI ranks yield "
-              f"({', '.join(f'{k}={v}' for k, v in tuning.items())}); --no-tuning turns this off",
-              file=sys.stderr)
-    mca = {**tuning, **dict(kv.split("=", 1) for kv in args.mca)}
+    bad = [kv for kv in args.mca if "=" not in kv or not kv.split("=", 1)[0]]
+    if bad:
+        return _fail(f"--mca {bad[0]!r} is not KEY=VALUE; write e.g. --mca btl_tcp_if_include=eth0")
+    user_mca = dict(kv.split("=", 1) for kv in args.mca)
+    if args.launcher == "horovodrun" and args.gloo:
+        tuning = {}  # no MPI in the job; horovodrun_argv drops -mca settings anyway
+        print(f"hvdtrain: --gloo: no MPI, so no {hf.YIELD_MCA}", file=sys.stderr)
+    else:  # nvidia-smi is only run for auto
+        gpus = hf.visible_gpus() if args.yield_when_idle == "auto" else 0
+        tuning, reason = hf.launch_tuning(args.yield_when_idle, gpus, env=dict(os.environ))
+        if hf.YIELD_MCA in user_mca:
+            reason += f"; --mca {hf.YIELD_MCA}={user_mca[hf.YIELD_MCA]} overrides this"
+        print(f"hvdtrain: {reason}", file=sys.stderr)
+    mca = {**tuning, **user_mca}
     try:
         knobs = hf.horovod_knobs(args.fusion_threshold_mb, args.cycle_time_ms, args.autotune)
     except ValueError as exc:
@@ -243,8 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--max-np", type=int, help="elastic: most workers to use")
     launch.add_argument("--host-discovery-script",
                         help="elastic: executable printing the available 'host:slots' lines")
-    launch.add_argument("--no-tuning", action="store_true",
-                        help="do not add hvdtrain's machine-specific MPI settings")
+    launch.add_argument("--yield-when-idle", choices=("auto", "on", "off"), default="auto",
+                        help="Open MPI's mpi_yield_when_idle=1 (idle ranks give up their core): "
+                             "auto = on when no GPU is visible on this host (a CPU job, whose "
+                             "ranks fill the cores), off when there is one (default: auto)")
+    launch.add_argument("--no-tuning", dest="yield_when_idle", action="store_const", const="off",
+                        help="same as --yield-when-idle off")
     launch.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
     launch.set_defaults(func=cmd_launch)
     report = sub.add_parser("report", help="compare runs: one line per run directory")

@@ -15,6 +15,8 @@ FRAMEWORKS = ("torch", "keras")
 DATASETS = ("digits", "synthetic")
 COMPRESSIONS = ("none", "fp16")
 OPS = ("average", "adasum")
+DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 class ConfigError(ValueError):
@@ -51,6 +53,17 @@ class TrainConfig:
             becomes NaN at that optimizer step (0-based); empty for none.
         elastic: train with Horovod Elastic (launch with ``hvdtrain launch --elastic``).
         commit_every: elastic: commit the training state every this many optimizer steps.
+        device: ``"auto"`` (a GPU per rank when the host has them, else the CPU), ``"cpu"`` or
+            ``"cuda"`` (:func:`hvdtrain.runtime.choose_device`).
+        precision: ``"fp32"``, ``"bf16"`` (autocast / Keras ``mixed_bfloat16``, also on CPUs) or
+            ``"fp16"`` (autocast with a dynamic loss scale: ``torch.amp.GradScaler``, Keras
+            ``LossScaleOptimizer``).
+        init_loss_scale: fp16: the dynamic loss scale's starting value (``GradScaler``'s
+            ``init_scale``, 2**16); it halves after each step whose gradients overflow and
+            doubles after 2,000 clean steps.
+        batchnorm: a BatchNorm layer after each convolution of the model; its running
+            statistics are averaged over ranks (``sync_buffers``) before every evaluation and
+            checkpoint.
     """
     framework: str = "torch"
     dataset: str = "digits"
@@ -74,6 +87,10 @@ class TrainConfig:
     fault_nan_at: str = ""
     elastic: bool = False
     commit_every: int = 10
+    device: str = "auto"
+    precision: str = "fp32"
+    batchnorm: bool = False
+    init_loss_scale: float = 65536.0
 
     def global_batch(self, size: int) -> int:
         """Samples per optimizer step across all ranks: ``batch_size x k x size``."""
@@ -118,15 +135,22 @@ class TrainConfig:
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{flag} must be a whole number >= 1; got {value!r}")
         choice("--on-nonfinite", self.on_nonfinite, ("skip", "stop"))
+        choice("--device", self.device, DEVICES)
+        choice("--precision", self.precision, PRECISIONS)
         if self.fault_nan_at:
             self.fault()
         if self.elastic:
             if self.backward_passes_per_step != 1 or self.resume or self.fault_nan_at:
                 raise ConfigError("--elastic trains with -k 1 and without --resume or "
                                   "--fault-nan-at (it keeps its own state); drop those options")
+            if self.precision != "fp32" or self.batchnorm or self.device == "cuda":
+                raise ConfigError("--elastic trains in fp32 on the CPU, without --batchnorm, "
+                                  "for now; drop --precision/--batchnorm/--device cuda")
         if not isinstance(self.commit_every, int) or self.commit_every < 1:
             raise ConfigError(f"--commit-every must be a whole number >= 1; got "
                               f"{self.commit_every!r}")
+        if not self.init_loss_scale > 0:
+            raise ConfigError(f"--init-loss-scale must be > 0; got {self.init_loss_scale!r}")
         if not self.lr > 0:
             raise ConfigError(f"--lr must be > 0; got {self.lr!r}")
         if not 0 <= self.momentum < 1:
@@ -142,6 +166,16 @@ class TrainConfig:
         if self.op == "adasum" and self.framework == "keras":
             raise ConfigError("--op adasum is not available with --framework keras (Horovod's "
                               "Keras optimizer supports average only); use --op average")
+        if self.framework == "keras" and self.precision == "fp16":
+            raise ConfigError(
+                "--precision fp16 is not available with --framework keras yet (Horovod's Keras 2 "
+                "optimizer and Keras's LossScaleOptimizer do not compose with hvdtrain's "
+                "non-finite check and accumulation; it comes with the Keras 3 adapter); use "
+                "--precision bf16, or --framework torch for fp16")
+        if self.op == "adasum" and self.precision == "fp16":
+            raise ConfigError("--precision fp16 needs a step the loss scaler can skip, which "
+                              "--op adasum cannot do (the update is combined inside step()); "
+                              "use --precision bf16 or --op average")
         if self.op == "adasum" and self.lr_scaling == "linear":
             raise ConfigError("--op adasum adapts the step size itself; use --lr-scaling none "
                               "(or sqrt) with it, not linear")

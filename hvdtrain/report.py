@@ -58,15 +58,17 @@ def run_header(framework: str, cfg, info, train_samples: int, test_samples: int,
     k = cfg.backward_passes_per_step
     scaled = schedule.scaled_lr(cfg.lr, cfg.lr_scaling, info.size, k)
     log.info("%d ranks on %d host(s) x local batch %d x k=%d = global batch %d; lr %g -> %g (%s, "
-             "warmup %g epochs); %d optimizer steps per epoch; %d threads per rank", info.size,
-             info.hosts, cfg.batch_size, k, cfg.global_batch(info.size), cfg.lr, scaled,
-             cfg.lr_scaling, cfg.warmup_epochs, steps_per_epoch, info.threads)
+             "warmup %g epochs); %d optimizer steps per epoch; %d threads per rank; %s, %s",
+             info.size, info.hosts, cfg.batch_size, k, cfg.global_batch(info.size), cfg.lr,
+             scaled, cfg.lr_scaling, cfg.warmup_epochs, steps_per_epoch, info.threads,
+             info.device, cfg.precision)
     return {"framework": framework, "dataset": cfg.dataset, "size": info.size,
             "hosts": info.hosts, "local_batch": cfg.batch_size, "backward_passes_per_step": k,
             "global_batch": cfg.global_batch(info.size), "base_lr": cfg.lr, "scaled_lr": scaled,
             "lr_scaling": cfg.lr_scaling, "warmup_epochs": cfg.warmup_epochs,
             "steps_per_epoch": steps_per_epoch, "train_samples": train_samples,
             "test_samples": test_samples, "threads_per_rank": info.threads,
+            "device": info.device, "precision": cfg.precision,
             "config": cfg.to_dict(), "versions": dict(versions),
             # Filled in by the trainer where it applies: the checkpoint resumed from, optimizer
             # steps skipped for non-finite losses (None: not checked), and whether every rank

@@ -103,13 +103,16 @@ class RankInfo:
         threads: intra-op threads given to this rank (:func:`thread_budget`).
         seed: the seed this rank used (:func:`rank_seed`).
         hosts: hosts in the job as Horovod sees them (``hvd.cross_size()``).
+        device: where this rank computes: ``"cpu"`` or ``"cuda:N"`` (N = the GPU this rank was
+            pinned to, its ``local_rank``; for Keras the physical GPU made visible to TensorFlow).
     """
-    __slots__ = ("rank", "local_rank", "size", "local_size", "threads", "seed", "hosts")
+    __slots__ = ("rank", "local_rank", "size", "local_size", "threads", "seed", "hosts", "device")
 
     def __init__(self, rank: int, local_rank: int, size: int, local_size: int, threads: int,
-                 seed: int, hosts: int = 1):
+                 seed: int, hosts: int = 1, device: str = "cpu"):
         self.rank, self.local_rank, self.size = rank, local_rank, size
         self.local_size, self.threads, self.seed, self.hosts = local_size, threads, seed, hosts
+        self.device = device
 
     @property
     def is_root(self) -> bool:
@@ -119,7 +122,39 @@ class RankInfo:
     def __repr__(self) -> str:
         return (f"RankInfo(rank={self.rank}, local_rank={self.local_rank}, size={self.size}, "
                 f"local_size={self.local_size}, threads={self.threads}, seed={self.seed}, "
-                f"hosts={self.hosts})")
+                f"hosts={self.hosts}, device={self.device!r})")
+
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def choose_device(device: str, gpus: int, local_rank: int, local_size: int) -> str:
+    """The device a rank computes on: ``"cpu"`` or ``"cuda:<local_rank>"`` (one GPU per rank,
+    Horovod's documented pattern).
+
+    Args:
+        device: ``"auto"`` (a GPU when this host has one per rank, else the CPU), ``"cpu"`` or
+            ``"cuda"``.
+        gpus: GPUs visible to this process.
+        local_rank, local_size: this rank's place among the processes on its host.
+
+    Raises:
+        ValueError: an unknown ``device``; ``"cuda"`` without GPUs; or GPUs present (``auto`` or
+            ``cuda``) but fewer than ``local_size`` (NCCL refuses two ranks on one GPU).
+    """
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {device!r}")
+    if device == "cpu" or (device == "auto" and gpus == 0):
+        return "cpu"
+    if gpus == 0:
+        raise ValueError("device 'cuda' asked for, but no CUDA GPU is visible to this process "
+                         "(CUDA_VISIBLE_DEVICES, driver, a CPU-only build?); use device 'cpu' "
+                         "or 'auto'")
+    if local_size > gpus:
+        raise ValueError(f"{local_size} ranks on this host but {gpus} GPU(s): each rank needs "
+                         f"its own GPU (NCCL refuses two ranks on one); launch at most {gpus} "
+                         "ranks per host (slots in the hostfile), or pass device 'cpu'")
+    return f"cuda:{local_rank}"
 
 
 _RANK_INFO: RankInfo | None = None  # what the adapter's init() set up in this process

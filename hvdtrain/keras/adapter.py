@@ -34,19 +34,43 @@ NONFINITE_MODES = ("skip", "stop")
 log = logging.getLogger("hvdtrain")
 
 
-def init(seed: int = 42, threads: int | None = None) -> runtime.RankInfo:
-    """Start Horovod, give this rank its share of the cores, and seed it.
+def init(seed: int = 42, threads: int | None = None, device: str = "auto") -> runtime.RankInfo:
+    """Start Horovod, pin this rank to its GPU (if any), give it its share of the cores, and seed it.
 
-    Calls ``hvd.init()``; sets TensorFlow's intra-op threads to ``threads`` or
+    Calls ``hvd.init()``; with a GPU per rank on this host (``device="auto"``) or
+    ``device="cuda"``, makes only GPU ``local_rank`` visible to TensorFlow, with memory growth
+    (Horovod's documented pattern; ``device="cpu"`` hides the GPUs); sets TensorFlow's intra-op threads to ``threads`` or
     ``max(1, cores // local_size)`` and inter-op threads to 1; seeds TensorFlow, NumPy and
     ``random`` (``tf.keras.utils.set_random_seed``) with ``runtime.rank_seed(seed, rank)`` (rank 0
     gets ``seed``; :func:`distribute` makes all models equal to rank 0's). Counts the hosts with
     one all-reduce (every rank must call ``init``; :func:`hvdtrain.runtime.count_hosts`).
+    Call it before TensorFlow runs anything (device visibility and threads are fixed then).
+
+    Args:
+        seed: base seed.
+        threads: intra-op CPU threads for this rank (default: its share of the cores).
+        device: ``"auto"``, ``"cpu"`` or ``"cuda"`` (:func:`hvdtrain.runtime.choose_device`).
 
     Returns:
-        The :class:`~hvdtrain.runtime.RankInfo` of this process.
+        The :class:`~hvdtrain.runtime.RankInfo` of this process (``.device``: ``"cpu"`` or
+        ``"cuda:<local_rank>"``, the physical GPU TensorFlow sees as its only one).
+
+    Raises:
+        ValueError: ``device="cuda"`` without a GPU, or fewer GPUs than ranks on this host.
     """
     hvd.init()
+    gpus = tf.config.list_physical_devices("GPU")
+    where = runtime.choose_device(device, len(gpus), hvd.local_rank(), hvd.local_size())
+    try:
+        if where != "cpu":
+            gpu = gpus[hvd.local_rank()]
+            tf.config.experimental.set_memory_growth(gpu, True)
+            tf.config.set_visible_devices(gpu, "GPU")
+        elif gpus:
+            tf.config.set_visible_devices([], "GPU")
+    except RuntimeError as exc:  # TensorFlow's runtime already started
+        log.warning("GPU visibility could not be set (%s): call hvdtrain.keras.init() before "
+                    "TensorFlow runs anything", exc)
     threads = runtime.thread_budget(hvd.local_size()) if threads is None else int(threads)
     try:
         tf.config.threading.set_intra_op_parallelism_threads(threads)
@@ -58,7 +82,7 @@ def init(seed: int = 42, threads: int | None = None) -> runtime.RankInfo:
     hosts = runtime.count_hosts(hvd.local_rank(), hvd.cross_size(),
                                 lambda values: allreduce_sums(values, name="hvdtrain.hosts"))
     return runtime.remember_rank_info(runtime.RankInfo(
-        hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size(), threads, seed, hosts))
+        hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size(), threads, seed, hosts, where))
 
 
 def rank_info() -> runtime.RankInfo:
@@ -93,6 +117,60 @@ def ranks_where(flag: bool, name: str = "hvdtrain.flag") -> list[int]:
     """
     return runtime.ranks_where(flag, hvd.rank(), hvd.size(),
                                lambda values: allreduce_sums(values, name=name))
+
+
+BUFFER_SYNC_OPS = ("average", "broadcast")
+
+
+def sync_buffers(model: tf.keras.Model, op: str = "average", root_rank: int = 0) -> int:
+    """Make the model's non-trainable variables (BatchNormalization ``moving_mean``/
+    ``moving_variance``, any other non-trainable state) equal on every rank, in place.
+
+    The Keras counterpart of :func:`hvdtrain.torch.sync_buffers`, with the same rule:
+    ``"average"`` (default) sets floating-point variables to their mean over ranks (each rank's
+    moving statistics estimate its own shard; the mean uses every shard's data) and takes integer
+    ones from ``root_rank``; ``"broadcast"`` copies all of them from ``root_rank`` (as PyTorch DDP
+    does with buffers). Trainable weights are not touched (the all-reduced gradients keep them
+    equal). Every rank must call it at the same point; :class:`SyncBuffersCallback` does so at
+    each epoch's end.
+
+    Returns:
+        The number of variables synchronised.
+
+    Raises:
+        ValueError: an unknown ``op``, or the model is not built.
+    """
+    if op not in BUFFER_SYNC_OPS:
+        raise ValueError(f"op must be one of {', '.join(BUFFER_SYNC_OPS)}; got {op!r}")
+    _require_built(model)
+    variables = list(model.non_trainable_variables)
+    if hvd.size() == 1 or not variables:
+        return len(variables)
+    averaged = [v for v in variables if op == "average" and v.dtype.is_floating]
+    copied = [v for v in variables if not (op == "average" and v.dtype.is_floating)]
+    if averaged:
+        means = hvd_tf.grouped_allreduce([v.read_value() for v in averaged], op=hvd.Average,
+                                         name="hvdtrain.buffers")
+        for v, mean in zip(averaged, means):
+            v.assign(mean)
+    if copied:
+        hvd_tf.broadcast_variables(copied, root_rank)
+    return len(variables)
+
+
+class SyncBuffersCallback(tf.keras.callbacks.Callback):
+    """:func:`sync_buffers` on the model at the end of every epoch (before evaluation and
+    checkpoints made by later callbacks) and at the end of training, so all ranks hold the same
+    BatchNormalization statistics."""
+
+    def __init__(self, op: str = "average"):
+        super().__init__()
+        if op not in BUFFER_SYNC_OPS:
+            raise ValueError(f"op must be one of {', '.join(BUFFER_SYNC_OPS)}; got {op!r}")
+        self.op = op
+
+    def on_epoch_end(self, epoch, logs=None):
+        sync_buffers(self.model, self.op)
 
 
 def _require_built(model: tf.keras.Model) -> None:
@@ -385,10 +463,11 @@ def shard_dataset(x: np.ndarray, y: np.ndarray, *, batch_size: int, seed: int = 
 
 def callbacks(optimizer, *, warmup_epochs: float = 0.0, steps_per_epoch: int = 1) -> list:
     """The callbacks a data-parallel ``fit`` needs, in order: ``MetricAverageCallback`` (epoch
-    logs and History hold averages over all ranks), the report of skipped non-finite steps when
-    :func:`distribute` installed a :class:`NonFiniteGuard`, and the warmup (:func:`warmup`,
-    last)."""
+    logs and History hold averages over all ranks), :class:`SyncBuffersCallback` (equal
+    BatchNormalization statistics on every rank at each epoch's end), the report of skipped
+    non-finite steps when :func:`distribute` installed a :class:`NonFiniteGuard`, and the warmup
+    (:func:`warmup`, last). Put callbacks that evaluate or save after these."""
     guard = getattr(optimizer, "hvdtrain_nonfinite", None)
-    return [hvd.callbacks.MetricAverageCallback(),
+    return [hvd.callbacks.MetricAverageCallback(), SyncBuffersCallback(),
             *([_NonFiniteCallback(guard)] if guard is not None else []),
             warmup(optimizer, warmup_epochs=warmup_epochs, steps_per_epoch=steps_per_epoch)]

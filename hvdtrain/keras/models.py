@@ -4,17 +4,28 @@ from __future__ import annotations
 import tensorflow as tf
 
 
-def build_model(num_classes: int = 10, image_size: int = 8) -> tf.keras.Model:
+def build_model(num_classes: int = 10, image_size: int = 8,
+                batchnorm: bool = False) -> tf.keras.Model:
     """The CNN of :class:`hvdtrain.torch.models.DigitsCNN`, channels-last: input
-    ``(B, S, S, 1)``, output logits ``(B, num_classes)``. Built (weights exist) on return."""
+    ``(B, S, S, 1)``, output logits ``(B, num_classes)`` in float32 whatever the global
+    mixed-precision policy (Keras's advice: keep the outputs that feed the loss in float32).
+    ``batchnorm``: ``BatchNormalization`` after each convolution. Built (weights exist) on
+    return."""
     layers = tf.keras.layers
+
+    def conv(filters):
+        if not batchnorm:
+            return [layers.Conv2D(filters, 3, padding="same", activation="relu")]
+        return [layers.Conv2D(filters, 3, padding="same"), layers.BatchNormalization(),
+                layers.Activation("relu")]
+
     model = tf.keras.Sequential([
-        layers.Conv2D(16, 3, padding="same", activation="relu"),
-        layers.Conv2D(32, 3, padding="same", activation="relu"),
+        *conv(16), *conv(32),
         layers.MaxPool2D(2),
         layers.Flatten(),
         layers.Dense(64, activation="relu"),
         layers.Dense(num_classes),
+        layers.Activation("linear", dtype="float32"),
     ], name="digits_cnn")
     model.build((None, image_size, image_size, 1))
     return model

@@ -24,6 +24,9 @@ from hvdtrain.keras.models import build_model
 from hvdtrain.report import EpochMetrics, RunReport, run_header, setup_logging
 
 WEIGHTS_FILE = "checkpoint.weights.h5"
+# --precision -> Keras mixed-precision policy. fp16 (Keras's LossScaleOptimizer around Horovod's
+# Keras 2 optimizer) is refused by TrainConfig.validate for now.
+PRECISION_POLICIES = {"fp32": "float32", "bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
 log = logging.getLogger("hvdtrain")
 
 
@@ -184,21 +187,41 @@ def fit(cfg: TrainConfig) -> dict:
     NaN/Inf loss on any rank skips that optimizer step on every rank, or stops the job
     (``cfg.on_nonfinite``; :class:`~hvdtrain.keras.adapter.NonFiniteGuard`).
 
+    Each rank sees only its own GPU (``cfg.device``, :func:`hvdtrain.keras.init`), or none.
+    ``--precision bf16`` trains under Keras's ``mixed_bfloat16`` policy (layers compute in
+    bfloat16, variables and the logits stay float32). BatchNormalization statistics are averaged
+    over ranks at each epoch's end, before evaluation and the checkpoint
+    (:class:`~hvdtrain.keras.adapter.SyncBuffersCallback`).
+
     Raises:
         runtime.NonFiniteLossError: a non-finite loss with ``on_nonfinite="stop"`` (every rank).
-        SystemExit: ``--resume`` without a usable checkpoint.
+        SystemExit: ``--resume`` without a usable checkpoint, or a ``--device`` this host cannot
+            give every rank.
 
     Returns:
         The run report (the content of ``metrics.json``), on every rank.
     """
-    info = adapter.init(cfg.seed)
+    try:
+        info = adapter.init(cfg.seed, device=cfg.device)
+    except ValueError as exc:
+        raise SystemExit(f"hvdtrain: error: --device {cfg.device}: {exc}") from None
     setup_logging(info.rank)
+    policy = tf.keras.mixed_precision.global_policy()
+    tf.keras.mixed_precision.set_global_policy(PRECISION_POLICIES[cfg.precision])
+    try:
+        return _fit(cfg, info)
+    finally:
+        tf.keras.mixed_precision.set_global_policy(policy)
+
+
+def _fit(cfg: TrainConfig, info) -> dict:
+    """:func:`fit` after ``init`` and the precision policy."""
     split, x_train, x_test = load_nhwc(cfg)
     k = cfg.backward_passes_per_step
     micro_per_epoch = adapter.micro_batches_per_epoch(len(x_train), cfg.batch_size, info.size, k)
     steps_per_epoch = micro_per_epoch // k
 
-    model = build_model(split.num_classes, x_train.shape[1])
+    model = build_model(split.num_classes, x_train.shape[1], batchnorm=cfg.batchnorm)
     optimizer = tf.keras.optimizers.SGD(learning_rate=cfg.lr, momentum=cfg.momentum)
     resumed = _resume(cfg, info, model, optimizer) if cfg.resume else None
     model, optimizer = adapter.distribute(model, optimizer, backward_passes_per_step=k,

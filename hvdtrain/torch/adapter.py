@@ -12,7 +12,7 @@ Typical use (launched with ``horovodrun -np 2 python train.py``)::
     scheduler = ht.warmup(optimizer, warmup_epochs=2, steps_per_epoch=...)
     for (x, y), micro in ht.micro_batches(loader, optimizer.backward_passes_per_step):
         loss = F.cross_entropy(model(x), y)
-        (loss * micro.loss_scale).backward()
+        (loss * micro.loss_weight).backward()
         if micro.sync:
             optimizer.step(); optimizer.zero_grad(); scheduler.step()
 """
@@ -28,28 +28,44 @@ _COMPRESSIONS = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
 _OPS = {"average": hvd.Average, "adasum": hvd.Adasum}
 
 
-def init(seed: int = 42, threads: int | None = None) -> runtime.RankInfo:
-    """Start Horovod, give this rank its share of the cores, and seed it.
+def init(seed: int = 42, threads: int | None = None, device: str = "auto") -> runtime.RankInfo:
+    """Start Horovod, pin this rank to its GPU (if any), give it its share of the cores, and seed it.
 
-    Calls ``hvd.init()``; sets ``torch.set_num_threads`` to ``threads`` or
-    ``max(1, cores // local_size)``; seeds torch, NumPy and ``random`` with
+    Calls ``hvd.init()``; with a GPU per rank on this host (``device="auto"``, the default) or
+    ``device="cuda"``, calls ``torch.cuda.set_device(local_rank)`` (Horovod's documented pattern:
+    one GPU per process, NCCL between them); sets ``torch.set_num_threads`` to ``threads`` or
+    ``max(1, cores // local_size)``; seeds torch (CPU and CUDA), NumPy and ``random`` with
     ``runtime.rank_seed(seed, rank)`` (rank 0 gets ``seed``; other ranks differ, and
     :func:`distribute` makes their models equal by broadcasting rank 0's). Counts the hosts with
     one all-reduce (every rank must call ``init``; :func:`hvdtrain.runtime.count_hosts`).
 
+    Args:
+        seed: base seed.
+        threads: intra-op CPU threads for this rank (default: its share of the cores).
+        device: ``"auto"``, ``"cpu"`` or ``"cuda"`` (:func:`hvdtrain.runtime.choose_device`).
+
     Returns:
-        The :class:`~hvdtrain.runtime.RankInfo` of this process.
+        The :class:`~hvdtrain.runtime.RankInfo` of this process; ``.device`` is ``"cpu"`` or
+        ``"cuda:<local_rank>"``: put the model and batches there (``model.to(info.device)``).
+
+    Raises:
+        ValueError: ``device="cuda"`` without a GPU, or fewer GPUs than ranks on this host
+            (raised before any collective, on the ranks concerned).
     """
     hvd.init()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    where = runtime.choose_device(device, gpus, hvd.local_rank(), hvd.local_size())
+    if where != "cpu":
+        torch.cuda.set_device(torch.device(where))
     threads = runtime.thread_budget(hvd.local_size()) if threads is None else int(threads)
     torch.set_num_threads(threads)
     seed = runtime.rank_seed(seed, hvd.rank())
-    torch.manual_seed(seed)
+    torch.manual_seed(seed)  # seeds every CUDA device too
     runtime.seed_python_numpy(seed)
     hosts = runtime.count_hosts(hvd.local_rank(), hvd.cross_size(),
                                 lambda values: allreduce_sums(values, name="hvdtrain.hosts"))
     return runtime.remember_rank_info(runtime.RankInfo(
-        hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size(), threads, seed, hosts))
+        hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size(), threads, seed, hosts, where))
 
 
 def rank_info() -> runtime.RankInfo:
@@ -92,7 +108,7 @@ def micro_batches(batches, backward_passes_per_step: int, samples_of=leading_dim
     """:func:`hvdtrain.accumulation.micro_batches` for a data-parallel loop: yields ``(batch,
     MicroBatch)``, k batches to a group; run ``optimizer.step()`` when ``micro.sync``.
 
-    The loss weights (:attr:`MicroBatch.loss_scale`, ``samples / group samples on this rank``)
+    The loss weights (:attr:`MicroBatch.loss_weight`, ``samples / group samples on this rank``)
     make each step the mean over the global batch only when every rank's group holds the same
     number of samples, and every rank must run the same number of groups (a rank with more
     batches waits forever in the all-reduce of a step the others never take). Both hold for a
@@ -136,14 +152,7 @@ def _broadcast_tensors_(tensors: list[tuple[str, torch.Tensor]], root_rank: int)
     """Broadcast each tensor from ``root_rank`` in place, all in flight at once (Horovod fuses
     them). Non-contiguous tensors (e.g. ``torch.channels_last``) go through a contiguous copy,
     since Horovod's collectives need contiguous memory."""
-    pending = []
-    for name, tensor in tensors:
-        buffer = tensor if tensor.is_contiguous() else tensor.contiguous()
-        pending.append((tensor, buffer, hvd.broadcast_async_(buffer, root_rank, name=name)))
-    for tensor, buffer, handle in pending:
-        hvd.synchronize(handle)
-        if buffer is not tensor:
-            tensor.copy_(buffer)
+    _dense_layout_tensors_(tensors, lambda t, n: hvd.broadcast_async_(t, root_rank, name=n))
 
 
 def broadcast_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -225,6 +234,116 @@ def broadcast_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     _broadcast_tensors_(tensors, root_rank)
 
 
+def _dense_layout_tensors_(tensors: list[tuple[str, torch.Tensor]], collective) -> None:
+    """Run ``collective(buffer, name) -> handle`` on each tensor, all in flight at once, through a
+    contiguous copy where the tensor is not contiguous; then wait and copy results back in place."""
+    pending = []
+    for name, tensor in tensors:
+        buffer = tensor if tensor.is_contiguous() else tensor.contiguous()
+        pending.append((tensor, buffer, collective(buffer, name)))
+    for tensor, buffer, handle in pending:
+        hvd.synchronize(handle)
+        if buffer is not tensor:
+            tensor.copy_(buffer)
+
+
+BUFFER_SYNC_OPS = ("average", "broadcast")
+
+
+def sync_buffers(model: torch.nn.Module, op: str = "average", root_rank: int = 0) -> int:
+    """Make the model's buffers (BatchNorm ``running_mean``/``running_var``/
+    ``num_batches_tracked``, any other registered buffer) equal on every rank, in place.
+
+    Trainable weights stay equal under the gradient all-reduce, but BatchNorm running statistics
+    are updated from each rank's own batches and drift apart (about 7e-3 after 8 digits epochs
+    at np=2), so ranks would evaluate and checkpoint different models. ``"average"`` (the
+    default) all-reduces floating-point buffers to their mean over ranks: each rank's running
+    mean and variance estimate its own shard, and their mean uses every shard's data (for equal
+    shards the running mean is then the global one; the running variance omits the variance
+    between shard means, which a shuffling ``DistributedSampler`` keeps small). Integer buffers
+    (``num_batches_tracked``, equal on all ranks anyway) come from ``root_rank``. ``"broadcast"``
+    copies every buffer from ``root_rank``, as PyTorch DDP does before each forward
+    (``broadcast_buffers=True``), discarding the other ranks' statistics.
+
+    Call it where ranks must agree: before evaluation, before a checkpoint, at the end of
+    training (``hvdtrain train`` does all three). Every rank must call it at the same point.
+
+    Args:
+        model: any module; its buffers may be on any device and in any memory format.
+        op: ``"average"`` or ``"broadcast"``.
+        root_rank: the rank whose buffers ``"broadcast"`` (and integer buffers) take.
+
+    Returns:
+        The number of buffers synchronised (0 for a model without buffers).
+
+    Raises:
+        ValueError: an unknown ``op``.
+    """
+    if op not in BUFFER_SYNC_OPS:
+        raise ValueError(f"op must be one of {', '.join(BUFFER_SYNC_OPS)}; got {op!r}")
+    buffers = [(f"hvdtrain.buffer.{name}", b) for name, b in model.named_buffers()]
+    if hvd.size() == 1 or not buffers:
+        return len(buffers)
+    averaged = [(n, b) for n, b in buffers if op == "average" and b.is_floating_point()]
+    copied = [(n, b) for n, b in buffers if not (op == "average" and b.is_floating_point())]
+    _dense_layout_tensors_(averaged, lambda t, n: hvd.allreduce_async_(t, op=hvd.Average, name=n))
+    _dense_layout_tensors_(copied, lambda t, n: hvd.broadcast_async_(t, root_rank, name=n))
+    return len(buffers)
+
+
+def convert_sync_batchnorm(model: torch.nn.Module) -> torch.nn.Module:
+    """Replace every BatchNorm layer (``BatchNorm1d/2d/3d``) in ``model`` with Horovod's
+    ``hvd.SyncBatchNorm``, which normalises each batch with the statistics of the global batch
+    (all ranks' samples of that step, gathered in the forward pass) and so keeps the running
+    statistics equal on every rank; useful when local batches are small (e.g. detection,
+    segmentation). The new layers take over the old ones' parameter and buffer objects, so an
+    optimizer already built on ``model.parameters()`` keeps working. In place; returns ``model``.
+
+    Costs one all-gather of per-channel statistics per BatchNorm layer per forward pass.
+    """
+    for name, child in list(model.named_children()):
+        if (isinstance(child, torch.nn.modules.batchnorm._BatchNorm)
+                and not isinstance(child, hvd.SyncBatchNorm)):
+            sync = hvd.SyncBatchNorm(child.num_features, child.eps, child.momentum, child.affine,
+                                     child.track_running_stats)
+            if child.affine:
+                sync.weight, sync.bias = child.weight, child.bias
+            if child.track_running_stats:
+                sync.running_mean, sync.running_var = child.running_mean, child.running_var
+                sync.num_batches_tracked = child.num_batches_tracked
+            sync.train(child.training)
+            setattr(model, name, sync)
+        else:
+            convert_sync_batchnorm(child)
+    return model
+
+
+class _DenseLayout:
+    """A Horovod gradient compressor (``compress``/``decompress``) around another one that lets
+    gradients in any dense memory format through, e.g. ``torch.channels_last``: Horovod's
+    all-reduce wants contiguous tensors (``ValueError: Tensor is required to be contiguous.``).
+    A non-contiguous gradient is all-reduced through a contiguous copy (the ranks' layouts are
+    equal, so element i is element i everywhere), and the result comes back in the gradient's
+    own layout; contiguous gradients pass untouched, with no copy."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def compress(self, tensor: torch.Tensor):
+        """``(tensor to send, context)``: a contiguous copy for a non-contiguous tensor."""
+        if tensor.is_contiguous():
+            compressed, ctx = self.inner.compress(tensor)
+            return compressed, (None, ctx)
+        compressed, ctx = self.inner.compress(tensor.contiguous())
+        return compressed, (tensor, ctx)
+
+    def decompress(self, tensor: torch.Tensor, ctx) -> torch.Tensor:
+        """The reduced tensor, in the memory format of the tensor given to :meth:`compress`."""
+        like, inner_ctx = ctx
+        out = self.inner.decompress(tensor, inner_ctx)
+        return out if like is None else torch.empty_like(like).copy_(out)
+
+
 def _scale_groups(optimizer: torch.optim.Optimizer, factor: float) -> None:
     """Set each group's ``lr`` to its base rate x ``factor`` and record both.
 
@@ -260,7 +379,7 @@ def _scale_groups(optimizer: torch.optim.Optimizer, factor: float) -> None:
 def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                backward_passes_per_step: int = 1, lr_scaling: str | None = None,
                compression: str = "none", op: str = "average", root_rank: int = 0,
-               gradient_predivide_factor: float = 1.0):
+               gradient_predivide_factor: float = 1.0, sync_batchnorm: bool = False):
     """Turn a single-process model and optimizer into synchronous data-parallel ones.
 
     1. Sets each param group's ``lr`` to its base rate x ``schedule.scale_factor(lr_scaling, size,
@@ -270,8 +389,10 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
        optimizer is scaled for this run's world size, never twice.
     2. Wraps ``optimizer`` in ``hvd.DistributedOptimizer`` with ``named_parameters``,
        ``backward_passes_per_step=k``, ``compression`` and ``op``: gradients are all-reduced
-       (averaged over ranks) once every k backward passes, at ``optimizer.step()``. Scale each
-       micro-batch loss by :class:`MicroBatch` ``.loss_scale`` (see :func:`micro_batches`) so that
+       (averaged over ranks) once every k backward passes, at ``optimizer.step()``; gradients in
+       any dense memory format (``torch.channels_last`` models) are all-reduced through a
+       contiguous copy and keep their format (:class:`_DenseLayout`). Scale each
+       micro-batch loss by :class:`MicroBatch` ``.loss_weight`` (see :func:`micro_batches`) so that
        a step is the mean over the global batch of ``local batch x k x size`` samples. The
        wrapper shares the optimizer's param-group dicts (as plain Horovod does), so a scheduler
        built on either object drives the same learning rates.
@@ -295,6 +416,11 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         op: ``"average"`` or ``"adasum"``.
         root_rank: rank whose initial state every rank takes.
         gradient_predivide_factor: passed to Horovod (average op only).
+        sync_batchnorm: replace the model's BatchNorm layers with ``hvd.SyncBatchNorm``
+            (:func:`convert_sync_batchnorm`): batch statistics over the global batch. GPU only
+            (Horovod's layer accepts CUDA tensors only). Without it, BatchNorm running
+            statistics drift apart across ranks; call :func:`sync_buffers` before evaluating or
+            saving.
 
     Returns:
         ``(model, optimizer)``: the same model (now equal on all ranks) and the wrapped optimizer,
@@ -303,8 +429,9 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     Raises:
         ValueError: an unknown ``lr_scaling``/``compression``/``op``, ``"linear"`` with
             ``"adasum"``, k < 1, an optimizer that does not hold exactly the model's parameters,
-            a scheduler built before ``distribute`` while the rate is scaled, or ``"adasum"`` on a
-            number of ranks that is not a power of 2 (the message says what to change).
+            a scheduler built before ``distribute`` while the rate is scaled, ``"adasum"`` on a
+            number of ranks that is not a power of 2, or ``sync_batchnorm=True`` for a model
+            not on a GPU (the message says what to change).
     """
     check_distribute_args(backward_passes_per_step, compression, op, _COMPRESSIONS, _OPS)
     size = hvd.size()
@@ -319,10 +446,21 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         raise ValueError("the optimizer holds parameters that are not the model's; build the "
                          "optimizer from model.parameters()")
 
+    if sync_batchnorm:
+        on_cpu = [n for n, p in model.named_parameters() if p.device.type != "cuda"]
+        if on_cpu:
+            raise ValueError(
+                "sync_batchnorm=True needs the model on its GPU first (Horovod's SyncBatchNorm "
+                f"runs on CUDA tensors only; {on_cpu[0]!r} is on {model.get_parameter(on_cpu[0]).device}): "
+                "call model.to(info.device) before distribute(), or on the CPU keep "
+                "sync_batchnorm=False and call hvdtrain.torch.sync_buffers(model) before "
+                "evaluating and saving")
+        convert_sync_batchnorm(model)
     _scale_groups(optimizer, factor)
     named = [(n, p) for n, p in model.named_parameters() if id(p) in opt_params]
     wrapped = hvd.DistributedOptimizer(
-        optimizer, named_parameters=named, compression=_COMPRESSIONS[compression],
+        optimizer, named_parameters=named,
+        compression=_DenseLayout(_COMPRESSIONS[compression]),
         backward_passes_per_step=backward_passes_per_step, op=_OPS[op],
         gradient_predivide_factor=gradient_predivide_factor)
     # Horovod builds a new optimizer over the same param-group dicts but with empty

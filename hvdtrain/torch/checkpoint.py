@@ -23,13 +23,19 @@ __all__ = ["CHECKPOINT_FILE", "PREVIOUS_FILE", "CheckpointError", "rng_state",
 
 
 def rng_state() -> dict:
-    """Torch, NumPy and Python RNG states in types ``weights_only`` loading accepts."""
-    return {"torch": torch.get_rng_state(), **runtime.python_numpy_rng_state()}
+    """Torch (CPU, and the current CUDA device's when CUDA is in use), NumPy and Python RNG
+    states in types ``weights_only`` loading accepts."""
+    state = {"torch": torch.get_rng_state(), **runtime.python_numpy_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
 
 
 def set_rng_state(state: dict) -> None:
-    """Restore what :func:`rng_state` saved."""
+    """Restore what :func:`rng_state` saved (the CUDA state only where CUDA is in use)."""
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.set_rng_state(state["cuda"])
     runtime.set_python_numpy_rng_state(state)
 
 
@@ -48,7 +54,9 @@ def save(output_dir: str | Path, payload: dict) -> Path:
 
 
 def _read(path: Path) -> dict:
-    payload = torch.load(path, weights_only=True)
+    # map_location: a checkpoint written on GPUs loads on a CPU-only machine (load_state_dict
+    # then moves each tensor to its parameter's device).
+    payload = torch.load(path, weights_only=True, map_location="cpu")
     if not isinstance(payload, dict) or "model" not in payload:
         raise ValueError("not an hvdtrain checkpoint (no 'model' entry)")
     return payload

@@ -11,14 +11,18 @@ class DigitsCNN(nn.Module):
     conv3x3(1->16) -> ReLU -> conv3x3(16->32) -> ReLU -> maxpool2 -> dense(32*(S/2)^2 -> 64)
     -> ReLU -> [dropout(p)] -> dense(64 -> num_classes). No batch norm, and no dropout unless
     ``dropout > 0``, so by default a data-parallel step equals a single-process step on the same
-    samples exactly. Output: logits ``(B, num_classes)``.
+    samples exactly. With ``batchnorm=True`` a ``BatchNorm2d`` follows each convolution (then
+    each rank normalises with its own batch's statistics, and the running statistics need
+    ``hvdtrain.torch.sync_buffers`` to agree across ranks). Output: logits ``(B, num_classes)``.
     """
 
-    def __init__(self, num_classes: int = 10, image_size: int = 8, dropout: float = 0.0):
+    def __init__(self, num_classes: int = 10, image_size: int = 8, dropout: float = 0.0,
+                 batchnorm: bool = False):
         super().__init__()
+        norm = (lambda c: [nn.BatchNorm2d(c)]) if batchnorm else (lambda c: [])
         self.features = nn.Sequential(
-            nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(1, 16, 3, padding=1), *norm(16), nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1), *norm(32), nn.ReLU(),
             nn.MaxPool2d(2))
         self.classifier = nn.Sequential(
             nn.Flatten(), nn.Linear(32 * (image_size // 2) ** 2, 64), nn.ReLU(),
@@ -29,10 +33,12 @@ class DigitsCNN(nn.Module):
         return self.classifier(self.features(x))
 
 
-def build_model(num_classes: int = 10, image_size: int = 8, dropout: float = 0.0) -> nn.Module:
+def build_model(num_classes: int = 10, image_size: int = 8, dropout: float = 0.0,
+                batchnorm: bool = False) -> nn.Module:
     """The model ``hvdtrain train`` uses for ``(B, 1, image_size, image_size)`` inputs
-    (``dropout``: probability of the dropout before the last layer, 0 for none)."""
-    return DigitsCNN(num_classes, image_size, dropout)
+    (``dropout``: probability of the dropout before the last layer, 0 for none; ``batchnorm``:
+    BatchNorm after each convolution)."""
+    return DigitsCNN(num_classes, image_size, dropout, batchnorm)
 
 
 def bench_model(name: str, num_classes: int = 10, image_size: int = 32) -> nn.Module:

@@ -45,6 +45,7 @@ def _resume(cfg: TrainConfig, info, model, optimizer) -> dict | None:
             for group in optimizer.param_groups:  # this run's --lr is the base distribute scales
                 group["hvdtrain_base_lr"] = cfg.lr
             meta = {k: payload[k] for k in ("epoch", "step", "size", "global_batch", "metrics")}
+            meta["scaler"] = payload.get("scaler")
             meta["rng"] = payload.get("rng_per_rank") or [payload["rng"]]
         except checkpoint.CheckpointError as exc:
             meta = {"error": str(exc)}
@@ -62,55 +63,86 @@ def _all_finite(tensors) -> bool:
     return bool(torch.stack(flags).all()) if flags else True
 
 
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(device: torch.device, precision: str):
+    """``torch.autocast`` for ``precision`` (``"fp32"``: a context that changes nothing)."""
+    return torch.autocast(device.type, dtype=AMP_DTYPES.get(precision, torch.float32),
+                          enabled=precision in AMP_DTYPES)
+
+
 def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int, size: int,
-             batch_size: int = 256) -> tuple[float, float]:
-    """Mean loss and accuracy over ``(x, y)`` (shapes ``(N, ...)`` and ``(N,)``) on all ranks
-    together: each rank scores an unpadded shard, and sums are all-reduced, so every sample counts
-    exactly once. Returns ``(loss, accuracy)`` on every rank."""
-    idx = torch.from_numpy(data.shard_indices(len(x), rank, size))
+             batch_size: int = 256, precision: str = "fp32") -> tuple[float, float]:
+    """Mean loss and accuracy over ``(x, y)`` (shapes ``(N, ...)`` and ``(N,)``, on the model's
+    device) on all ranks together: each rank scores an unpadded shard, and sums are all-reduced,
+    so every sample counts exactly once. Returns ``(loss, accuracy)`` on every rank."""
+    idx = torch.from_numpy(data.shard_indices(len(x), rank, size)).to(x.device)
     model.eval()
-    loss_sum, correct = 0.0, 0
-    with torch.no_grad():
+    loss_sum = torch.zeros((), dtype=torch.float64, device=x.device)
+    correct = torch.zeros((), dtype=torch.int64, device=x.device)
+    with torch.no_grad(), autocast(x.device, precision):
         for chunk in idx.split(batch_size):
             logits = model(x[chunk])
-            loss_sum += F.cross_entropy(logits, y[chunk], reduction="sum").item()
-            correct += (logits.argmax(1) == y[chunk]).sum().item()
-    totals = adapter.allreduce_sums({"loss": loss_sum, "correct": correct, "n": len(idx)},
-                                    name="hvdtrain.eval")
+            loss_sum += F.cross_entropy(logits.float(), y[chunk], reduction="sum").double()
+            correct += (logits.argmax(1) == y[chunk]).sum()
+    totals = adapter.allreduce_sums({"loss": loss_sum.item(), "correct": correct.item(),
+                                     "n": len(idx)}, name="hvdtrain.eval")
     return totals["loss"] / totals["n"], totals["correct"] / totals["n"]
 
 
 def fit(cfg: TrainConfig) -> dict:
     """Train ``build_model`` on ``cfg.dataset`` with ``cfg``'s options on every rank.
 
+    Each rank computes on ``cfg.device`` (its own GPU, ``cuda:<local_rank>``, or the CPU), in
+    ``cfg.precision``: ``bf16``/``fp16`` run the forward pass under ``torch.autocast``; ``fp16``
+    also scales the loss with ``torch.amp.GradScaler`` in Horovod's documented order (gradients
+    all-reduced by ``optimizer.synchronize()``, then ``scaler.unscale_``, then ``scaler.step``
+    inside ``optimizer.skip_synchronize()``), so a step whose fp16 gradients overflow is skipped
+    by the scaler on every rank alike and counted in ``overflow_steps``, not as a failure. Before
+    every evaluation and checkpoint the model's buffers (BatchNorm statistics) are averaged over
+    ranks (:func:`hvdtrain.torch.sync_buffers`), so all ranks evaluate and save the same model.
+
     Rank 0 logs each epoch, shows a progress bar, and writes ``checkpoint.pt`` (keeping the
     previous one as ``checkpoint.prev.pt``) and ``metrics.json`` to ``cfg.output_dir`` after
-    every epoch, atomically. With ``cfg.resume`` it continues from that checkpoint. A NaN/Inf
-    loss on any rank skips that optimizer step on every rank, or stops the job
-    (``cfg.on_nonfinite``).
+    every epoch, atomically. With ``cfg.resume`` it continues from that checkpoint (written on
+    GPUs or not). A NaN/Inf loss on any rank skips that optimizer step on every rank, or stops
+    the job (``cfg.on_nonfinite``).
 
     Raises:
         runtime.NonFiniteLossError: a non-finite loss with ``on_nonfinite="stop"`` (on every rank).
-        SystemExit: ``--resume`` without a usable checkpoint.
+        SystemExit: ``--resume`` without a usable checkpoint, or a ``--device`` this host cannot
+            give every rank.
 
     Returns:
         The run report (the content of ``metrics.json``), on every rank.
     """
-    info = adapter.init(cfg.seed)
+    try:
+        info = adapter.init(cfg.seed, device=cfg.device)
+    except ValueError as exc:
+        raise SystemExit(f"hvdtrain: error: --device {cfg.device}: {exc}") from None
     setup_logging(info.rank)
+    device = torch.device(info.device)
     # The split does not depend on --seed: every run holds out the same samples.
     split = data.load(cfg.dataset, test_fraction=cfg.test_fraction,
                       synthetic_samples=cfg.synthetic_samples)
     train_set = TensorDataset(torch.from_numpy(split.x_train), torch.from_numpy(split.y_train))
     sampler = DistributedSampler(train_set, num_replicas=info.size, rank=info.rank, shuffle=True,
                                  seed=cfg.seed)
-    loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler)
-    x_test, y_test = torch.from_numpy(split.x_test), torch.from_numpy(split.y_test)
+    loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler,
+                        pin_memory=device.type == "cuda")
+    x_test = torch.from_numpy(split.x_test).to(device)
+    y_test = torch.from_numpy(split.y_test).to(device)
 
-    model = build_model(split.num_classes, split.x_train.shape[-1], cfg.dropout)
+    model = build_model(split.num_classes, split.x_train.shape[-1], cfg.dropout,
+                        cfg.batchnorm).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     k = cfg.backward_passes_per_step
     resumed = _resume(cfg, info, model, optimizer) if cfg.resume else None
+    scaler = torch.amp.GradScaler(device.type, init_scale=cfg.init_loss_scale,
+                                  enabled=cfg.precision == "fp16")
+    if resumed and resumed.get("scaler") and scaler.is_enabled():
+        scaler.load_state_dict(resumed["scaler"])
     model, optimizer = adapter.distribute(model, optimizer, backward_passes_per_step=k,
                                           lr_scaling=cfg.lr_scaling, compression=cfg.compression,
                                           op=cfg.op)
@@ -132,7 +164,7 @@ def fit(cfg: TrainConfig) -> dict:
         log.info("resumed after epoch %d (made with %d ranks, global batch %d)",
                  resumed["epoch"], resumed["size"], resumed["global_batch"])
     fault = cfg.fault()
-    skipped = 0
+    skipped = overflows = 0
     adasum = cfg.op == "adasum"
     params = [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -141,20 +173,23 @@ def fit(cfg: TrainConfig) -> dict:
         model.train()
         lr = optimizer.param_groups[0]["lr"]
         # Metrics stay on the device and are read once per epoch (no per-batch synchronisation).
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        correct = torch.zeros((), dtype=torch.int64)
-        seen = torch.zeros((), dtype=torch.int64)
-        group_nonfinite = torch.zeros((), dtype=torch.bool)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        correct = torch.zeros((), dtype=torch.int64, device=device)
+        seen = torch.zeros((), dtype=torch.int64, device=device)
+        group_nonfinite = torch.zeros((), dtype=torch.bool, device=device)
         steps = 0
         start = time.perf_counter()
         bar = tqdm(total=len(loader), desc=f"epoch {epoch + 1}/{cfg.epochs}", unit="batch",
                    disable=not (info.is_root and cfg.progress), leave=False)
         for (x, y), micro in adapter.micro_batches(loader, k):
-            logits = model(x)
-            loss = F.cross_entropy(logits, y)
+            x = x.to(device, non_blocking=True)
+            y = y.to(device, non_blocking=True)
+            with autocast(device, cfg.precision):
+                logits = model(x)
+                loss = F.cross_entropy(logits.float(), y)
             if fault == (info.rank, step):
                 loss = loss * float("nan")
-            (loss * micro.loss_scale).backward()
+            scaler.scale(loss * micro.loss_weight).backward()
             with torch.no_grad():
                 finite = torch.isfinite(loss)
                 group_nonfinite |= ~finite
@@ -167,16 +202,24 @@ def fit(cfg: TrainConfig) -> dict:
                     ok = _all_finite(params)  # the combined weights: equal on every rank
                 else:
                     optimizer.synchronize()  # gradients averaged: bitwise equal on every rank,
+                    scaler.unscale_(optimizer)  # (fp16: the loss scale taken out again)
                     ok = _all_finite(p.grad for p in params)  # so every rank decides alike
                     if ok:
                         with optimizer.skip_synchronize():
-                            optimizer.step()
+                            scaler.step(optimizer)  # optimizer.step() when no scaler
+                bad_ranks = [] if ok else adapter.ranks_where(  # rare: name the bad ranks
+                    bool(group_nonfinite), name="hvdtrain.nonfinite")
                 if ok:
                     steps += 1
+                elif scaler.is_enabled() and not bad_ranks:
+                    # Every loss was finite, the fp16 gradients overflowed: the scaler skips this
+                    # step (on every rank: the gradients are the same) and lowers its scale.
+                    with optimizer.skip_synchronize():
+                        scaler.step(optimizer)
+                    overflows += 1
+                    log.debug("step %d: fp16 gradients overflowed at loss scale %g; skipped",
+                              step, scaler.get_scale())
                 else:
-                    # Rare: only now one collective, to name the ranks whose loss was bad.
-                    bad_ranks = adapter.ranks_where(bool(group_nonfinite),
-                                                    name="hvdtrain.nonfinite")
                     message = runtime.nonfinite_message(bad_ranks, step, epoch + 1)
                     if cfg.on_nonfinite == "stop" or adasum:
                         raise runtime.nonfinite_stop(
@@ -184,6 +227,7 @@ def fit(cfg: TrainConfig) -> dict:
                                        "so it cannot be skipped" if adasum else ""))
                     log.warning("%s: step skipped on all ranks", message)
                     skipped += 1
+                scaler.update()
                 scheduler.step()  # the schedule follows step, taken or skipped
                 optimizer.zero_grad()
                 group_nonfinite.zero_()
@@ -194,12 +238,15 @@ def fit(cfg: TrainConfig) -> dict:
         totals = adapter.allreduce_sums({"loss": loss_sum.item(), "correct": correct.item(),
                                          "n": seen.item(), "seconds": seconds},
                                         name="hvdtrain.train")
-        test_loss, test_acc = evaluate(model, x_test, y_test, info.rank, info.size)
+        adapter.sync_buffers(model)  # equal BatchNorm statistics before evaluating and saving
+        test_loss, test_acc = evaluate(model, x_test, y_test, info.rank, info.size,
+                                       precision=cfg.precision)
         epoch_seconds = totals["seconds"] / info.size  # mean wall time over ranks
         metrics = EpochMetrics(epoch + 1, totals["loss"] / max(totals["n"], 1),
                                totals["correct"] / max(totals["n"], 1), test_loss, test_acc, lr,
                                steps, epoch_seconds, totals["n"] / epoch_seconds)
         report.header["skipped_steps"] = skipped
+        report.header["overflow_steps"] = overflows
         rng_per_rank = hvd.allgather_object(checkpoint.rng_state(), name="hvdtrain.rng")
         if info.is_root:
             checkpoint.save(out, {
@@ -207,10 +254,13 @@ def fit(cfg: TrainConfig) -> dict:
                 "epoch": epoch + 1, "step": step, "size": info.size,
                 "global_batch": cfg.global_batch(info.size), "config": cfg.to_dict(),
                 "rng": rng_per_rank[0], "rng_per_rank": rng_per_rank,
+                "scaler": scaler.state_dict() if scaler.is_enabled() else None,
                 "metrics": [vars(e) for e in report.epochs + [metrics]]})
         report.add(metrics)
-    # Every rank must hold the same weights; a divergence would be a bug worth knowing about.
-    checksums = hvd.allgather_object(float(sum(p.double().sum() for p in model.parameters())))
+    # Every rank must hold the same weights and buffers; a divergence would be a bug worth
+    # knowing about.
+    checksums = hvd.allgather_object(float(sum(
+        t.double().sum() for t in model.state_dict().values() if t.is_floating_point())))
     report.header["ranks_agree"] = len(set(checksums)) == 1
     if info.is_root:
         report.write()

@@ -44,7 +44,7 @@ def one_epoch(k: int, info, samples: int, batch_size: int, timeline: str) -> dic
     batches = ht.micro_batches(loader, k)  # compares the ranks' batch counts (one all-reduce)
     hvd.start_timeline(timeline, mark_cycles=False)
     for (x, y), mb in batches:
-        (F.cross_entropy(model(x), y) * mb.loss_scale).backward()
+        (F.cross_entropy(model(x), y) * mb.loss_weight).backward()
         micro += 1
         if mb.sync:
             optimizer.step()

@@ -51,7 +51,7 @@ def parallel(args) -> None:
         for (x, y), micro in ht.micro_batches(loader, args.k):
             loss = F.cross_entropy(model(x), y)
             # --fixed-scale: the naive 1/k scaling, wrong for a partial last group (control).
-            scale = 1.0 / args.k if args.fixed_scale else micro.loss_scale
+            scale = 1.0 / args.k if args.fixed_scale else micro.loss_weight
             (loss * scale).backward()
             if micro.sync:
                 optimizer.step()

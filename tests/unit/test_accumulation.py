@@ -11,20 +11,20 @@ def batches(sizes):
 def test_full_groups_scale_by_one_over_k():
     out = list(micro_batches(batches([8] * 8), 4))
     assert [m.sync for _, m in out] == [False, False, False, True] * 2
-    assert all(m.loss_scale == pytest.approx(0.25) for _, m in out)
+    assert all(m.loss_weight == pytest.approx(0.25) for _, m in out)
     assert [m.index for _, m in out] == [0, 1, 2, 3] * 2
 
 
 def test_partial_last_group_scales_by_its_own_size():
     out = [m for _, m in micro_batches(batches([8] * 5), 2)]
     assert [m.group_size for m in out] == [2, 2, 2, 2, 1]
-    assert out[-1].loss_scale == pytest.approx(1.0) and out[-1].sync
-    assert sum(m.loss_scale for m in out) == pytest.approx(3.0)  # one per optimizer step
+    assert out[-1].loss_weight == pytest.approx(1.0) and out[-1].sync
+    assert sum(m.loss_weight for m in out) == pytest.approx(3.0)  # one per optimizer step
 
 
 def test_short_last_batch_is_weighted_by_samples():
     out = [m for _, m in micro_batches(batches([8, 8, 8, 4]), 2)]
-    assert [m.loss_scale for m in out[2:]] == pytest.approx([8 / 12, 4 / 12])
+    assert [m.loss_weight for m in out[2:]] == pytest.approx([8 / 12, 4 / 12])
     assert out[3].group_samples == 12
 
 
@@ -51,3 +51,9 @@ def test_leading_dim_forms():
     assert leading_dim([[1, 2, 3]]) == 3
     with pytest.raises(TypeError, match="samples_of"):
         leading_dim(3.0)
+
+
+def test_loss_scale_is_a_deprecated_name_of_loss_weight():
+    (_, micro), = list(micro_batches(batches([4]), 1))
+    with pytest.warns(DeprecationWarning, match="loss_weight"):
+        assert micro.loss_scale == micro.loss_weight == 1.0

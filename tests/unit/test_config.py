@@ -28,6 +28,12 @@ def test_defaults_validate_and_global_batch(tmp_path):
     (dict(op="max"), "--op must be one of average, adasum"),
     (dict(op="adasum"), "use --lr-scaling none"),
     (dict(test_fraction=1.0), "--test-fraction"),
+    (dict(device="tpu"), "--device must be one of auto, cpu, cuda; got 'tpu'"),
+    (dict(precision="fp8"), "--precision must be one of fp32, bf16, fp16; got 'fp8'"),
+    (dict(precision="fp16", framework="keras"), "use --precision bf16, or --framework torch"),
+    (dict(precision="fp16", op="adasum", lr_scaling="none"), "use --precision bf16 or --op average"),
+    (dict(init_loss_scale=0.0), "--init-loss-scale must be > 0"),
+    (dict(elastic=True, precision="bf16"), "--elastic trains in fp32 on the CPU"),
 ])
 def test_bad_values_name_the_option(tmp_path, kw, match):
     with pytest.raises(ConfigError, match=match):

@@ -109,3 +109,23 @@ def test_count_hosts_sums_local_rank_zeros_except_under_elastic(monkeypatch):
     # Elastic: no collective outside the elastic loop; Horovod's cross_size is used.
     monkeypatch.setenv("HOROVOD_ELASTIC", "1")
     assert runtime.count_hosts(0, 3, fake_allreduce) == 3 and len(seen) == 1
+
+
+@pytest.mark.parametrize("device,gpus,local_rank,local_size,expected", [
+    ("auto", 0, 1, 2, "cpu"),      # no GPU: the CPU
+    ("cpu", 4, 1, 2, "cpu"),       # asked for the CPU on a GPU host
+    ("auto", 2, 1, 2, "cuda:1"),   # one GPU per rank: local_rank's
+    ("cuda", 8, 3, 4, "cuda:3"),
+])
+def test_choose_device(device, gpus, local_rank, local_size, expected):
+    assert runtime.choose_device(device, gpus, local_rank, local_size) == expected
+
+
+@pytest.mark.parametrize("device,gpus,local_size,match", [
+    ("cuda", 0, 1, "no CUDA GPU is visible"),
+    ("auto", 1, 2, "2 ranks on this host but 1 GPU"),  # NCCL: no two ranks on one GPU
+    ("gpu", 1, 1, "device must be one of auto, cpu, cuda"),
+])
+def test_choose_device_errors_say_what_to_change(device, gpus, local_size, match):
+    with pytest.raises(ValueError, match=match):
+        runtime.choose_device(device, gpus, 0, local_size)

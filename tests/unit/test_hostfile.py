@@ -1,5 +1,7 @@
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -140,13 +142,100 @@ def test_launch_rejects_bad_input_before_launching(tmp_path):
 
 def test_launch_tuning_passes_to_both_launchers(tmp_path):
     h = read(tmp_path, "a slots=2\nb slots=1\n")
-    assert hf.launch_tuning() == {"mpi_yield_when_idle": "1"}
-    argv, _ = hf.mpirun_argv(2, h, ["x"], mca=hf.launch_tuning())
+    mca, _ = hf.launch_tuning("on")
+    assert mca == {"mpi_yield_when_idle": "1"}
+    argv, _ = hf.mpirun_argv(2, h, ["x"], mca=mca)
     assert argv[argv.index("mpi_yield_when_idle") - 1] == "-mca"
-    argv, _ = hf.horovodrun_argv(2, h, ["x"], mca={"mpi_yield_when_idle": "1"})
+    argv, _ = hf.horovodrun_argv(2, h, ["x"], mca=mca)
     assert "--mpi-args=--mca mpi_yield_when_idle 1" in argv
-    argv, _ = hf.horovodrun_argv(2, h, ["x"], gloo=True, mca={"mpi_yield_when_idle": "1"})
+    argv, _ = hf.horovodrun_argv(2, h, ["x"], gloo=True, mca=mca)
     assert not any(a.startswith("--mpi-args") for a in argv)
+
+
+def test_yield_when_idle_auto_is_on_for_cpu_hosts_and_off_for_gpu_hosts():
+    mca, reason = hf.launch_tuning("auto", gpus=0)
+    assert mca == {"mpi_yield_when_idle": "1"}
+    assert reason.startswith("idle MPI ranks yield their core (mpi_yield_when_idle=1): no GPU "
+                             "visible on this host")
+    assert reason.endswith("--yield-when-idle off turns this off")
+    mca, reason = hf.launch_tuning("auto", gpus=4)
+    assert mca == {}
+    assert reason.startswith("idle MPI ranks busy-poll (Open MPI's default, no "
+                             "mpi_yield_when_idle): 4 GPUs visible on this host")
+    assert reason.endswith("--yield-when-idle on forces yielding")
+    assert "1 GPU visible" in hf.launch_tuning("auto", gpus=1)[1]
+
+
+def test_yield_when_idle_forced_on_or_off_ignores_gpus():
+    for gpus in (0, 2):
+        assert hf.launch_tuning("on", gpus) == (
+            {"mpi_yield_when_idle": "1"},
+            "idle MPI ranks yield their core (mpi_yield_when_idle=1): --yield-when-idle on")
+        assert hf.launch_tuning("off", gpus) == (
+            {}, "idle MPI ranks busy-poll (Open MPI's default, no mpi_yield_when_idle): "
+                "--yield-when-idle off")
+    _, reason = hf.launch_tuning("off", env={"OMPI_MCA_mpi_yield_when_idle": "1"})
+    assert reason.endswith("; OMPI_MCA_mpi_yield_when_idle=1 from the environment still applies")
+    with pytest.raises(ValueError, match="--yield-when-idle must be one of auto, on, off; got 'y"):
+        hf.launch_tuning("yes")
+    with pytest.raises(ValueError, match="gpus must be >= 0"):
+        hf.launch_tuning("auto", gpus=-1)
+
+
+def fake_smi(tmp_path, body):
+    """A directory holding an executable ``nvidia-smi`` shell script with ``body``."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n" + body + "\n")
+    smi.chmod(0o755)
+    return str(bin_dir)
+
+
+TWO_GPUS = ('echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-aaaa)"; '
+            'echo "  MIG 3g.40gb     Device  0: (UUID: MIG-bbbb)"; '
+            'echo "GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-cccc)"')
+
+
+@pytest.mark.parametrize("cuda_visible,expected", [
+    (None, 2), ("0,1", 2), ("1", 1), ("0,1,2,3", 2), ("", 0), ("-1", 0), ("NoDevFiles", 0),
+    ("0,-1,1", 1), ("5,0", 0), ("GPU-cccc", 1),
+])
+def test_visible_gpus_counts_nvidia_smi_and_honours_cuda_visible_devices(tmp_path, cuda_visible,
+                                                                          expected):
+    env = {"PATH": fake_smi(tmp_path, TWO_GPUS)}
+    if cuda_visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible
+    assert hf.visible_gpus(env) == expected
+
+
+def test_visible_gpus_is_zero_without_a_working_nvidia_smi(tmp_path):
+    assert hf.visible_gpus({"PATH": str(tmp_path / "none")}) == 0
+    assert hf.visible_gpus({"PATH": fake_smi(tmp_path, "echo 'NVIDIA-SMI has failed'; exit 9")}) \
+        == 0
+    hang = f"exec {shutil.which('sleep')} 30"  # PATH holds only the fake nvidia-smi
+    started = time.monotonic()
+    assert hf.visible_gpus({"PATH": fake_smi(tmp_path, hang)}, timeout_s=0.5) == 0
+    assert 0.5 <= time.monotonic() - started < 10
+    assert hf.visible_gpus({"PATH": fake_smi(tmp_path, "echo 'No devices were found'")}) == 0
+    # CUDA_VISIBLE_DEVICES hiding every device means no GPU without running nvidia-smi at all
+    started = time.monotonic()
+    assert hf.visible_gpus({"PATH": fake_smi(tmp_path, hang), "CUDA_VISIBLE_DEVICES": "-1"},
+                           timeout_s=30) == 0
+    assert time.monotonic() - started < 10
+
+
+def test_mpirun_forwards_gpu_and_open_mpi_variables(tmp_path):
+    h = read(tmp_path, "a slots=2\n")
+    env = {"PATH": "/bin", "NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "eth0",
+           "OMPI_MCA_btl_tcp_if_include": "eth0", "CUDA_VISIBLE_DEVICES": "0,1",
+           "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "HOME": "/root",
+           "SSH_AUTH_SOCK": "/tmp/s"}
+    argv, out_env = hf.mpirun_argv(2, h, ["x"], env=env)
+    forwarded = [argv[i + 1] for i, a in enumerate(argv) if a == "-x"]
+    assert forwarded == ["CUDA_VISIBLE_DEVICES", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME",
+                         "OMPI_MCA_btl_tcp_if_include", "PATH", "PYTORCH_CUDA_ALLOC_CONF"]
+    assert out_env == env
 
 
 def test_horovod_knobs_reach_both_launchers(tmp_path):

@@ -8,10 +8,14 @@ import hvdtrain.torch as ht
 TORCH_ONLY = {"micro_batches", "MicroBatch", "Warmup"}  # the user writes the PyTorch loop;
 # Keras's fit accumulates inside Horovod's optimizer. Warmup is the scheduler object warmup()
 # returns (Keras: WarmupCallback).
-KERAS_ONLY = {"shard_dataset", "micro_batches_per_epoch", "callbacks", "WarmupCallback"}  # tf.data
-# and fit() plumbing; PyTorch uses DistributedSampler + DataLoader and a LambdaLR.
+# hvd.SyncBatchNorm is PyTorch's; Horovod's TensorFlow SyncBatchNormalization is a Keras 2 layer
+# (it fails on Keras 3, DESIGN.md), so the Keras side offers sync_buffers only.
+TORCH_ONLY |= {"convert_sync_batchnorm"}
+KERAS_ONLY = {"shard_dataset", "micro_batches_per_epoch", "callbacks", "WarmupCallback",
+              "SyncBuffersCallback"}  # tf.data and fit() plumbing; PyTorch uses
+# DistributedSampler + DataLoader and a LambdaLR, and calls sync_buffers() in its own loop.
 SHARED = {"init", "rank_info", "distribute", "broadcast_state", "warmup", "allreduce_sums",
-          "ranks_where"}
+          "ranks_where", "sync_buffers"}
 
 
 def test_public_names_are_symmetric():
@@ -25,7 +29,7 @@ def test_public_names_are_symmetric():
 KERAS_ONLY_PARAMS = {"distribute": ["on_nonfinite"]}
 # A PyTorch user's own LR scheduler composes with the warmup (warmup(..., scheduler=...)); Keras's
 # warmup callback has no counterpart yet (it sets the optimizer's learning rate itself).
-TORCH_ONLY_PARAMS = {"warmup": ["scheduler"]}
+TORCH_ONLY_PARAMS = {"warmup": ["scheduler"], "distribute": ["sync_batchnorm"]}
 
 
 def test_shared_functions_take_the_same_parameters():
