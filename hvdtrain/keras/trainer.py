@@ -241,6 +241,7 @@ def _fit(cfg: TrainConfig, info) -> dict:
     header["resumed_from"] = ({k2: resumed[k2] for k2 in ("epoch", "size", "global_batch")}
                               if resumed else None)
     header["skipped_steps"] = 0
+    header["overflow_steps"] = 0  # same schema as PyTorch's; no loss scaler here (no fp16 yet)
     report = RunReport(out, header, is_root=info.is_root)
     if resumed:
         report.epochs = [EpochMetrics(**e) for e in resumed["metrics"]]

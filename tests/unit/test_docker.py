@@ -1,5 +1,6 @@
 """docker/ cannot be built here (no Docker engine): lint the Dockerfiles with hadolint and check
 that every image installs through scripts/setup.sh, the README's one install path."""
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,9 +38,34 @@ def test_images_use_the_same_setup_script(name):
 
 
 def test_gpu_image_builds_horovod_with_nccl():
+    """The GPU image asks setup.sh for its GPU build (which sets HOROVOD_GPU_OPERATIONS=NCCL) with
+    the GPU TensorFlow package, on a CUDA devel image (nvcc), and puts torch's NCCL on the loader
+    path as setup.sh's hvdtrain-env.sh does."""
     text = (DOCKER / "Dockerfile.gpu").read_text()
-    assert "HOROVOD_GPU_OPERATIONS=NCCL" in text and "nvidia/cuda" in text
-    assert "HOROVOD_GPU_OPERATIONS" in (ROOT / "scripts" / "setup.sh").read_text()
+    run = next(line for line in text.splitlines() if "bash scripts/setup.sh" in line)
+    assert "HVDTRAIN_GPU=1" in run and "HVDTRAIN_TF_PACKAGE=tensorflow " in run
+    assert re.search(r"^FROM nvidia/cuda:[0-9.]+-(cudnn-)?devel-ubuntu", text, re.MULTILINE)
+    assert "HOROVOD_GPU_OPERATIONS=NCCL" in (ROOT / "scripts" / "setup.sh").read_text()
+    assert re.search(r"^ENV LD_LIBRARY_PATH=/opt/hvdtrain/.venv/lib/python3.11/site-packages/"
+                     r"nvidia/nccl/lib:", text, re.MULTILINE)
+
+
+def _env_names(text):
+    """The variables that the Dockerfile's ENV instructions set (continuation lines joined)."""
+    joined = re.sub(r"\\\n", " ", text)
+    names = []
+    for line in joined.splitlines():
+        if line.startswith("ENV "):
+            names += re.findall(r"([A-Za-z_][A-Za-z0-9_]*)=", line[4:])
+    return names
+
+
+def test_gpu_image_keeps_no_credentials_in_its_environment():
+    names = _env_names((DOCKER / "Dockerfile.gpu").read_text())
+    assert "PATH" in names and "LD_LIBRARY_PATH" in names
+    secret = re.compile(r"TOKEN|PASSWORD|SECRET|KEY|INDEX_URL|CREDENTIAL|AUTH", re.IGNORECASE)
+    suspicious = [n for n in names if secret.search(n)]
+    assert suspicious == []
 
 
 def test_compose_is_a_two_node_cluster_over_ssh():

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The source changes Horovod 0.28.1 needs to build here (see ../shared/DESIGN.md, section 1).
+# scripts/setup.sh runs it on the unpacked source archive before building.
+#
+#   bash scripts/patch_horovod.sh SRC [cpu|gpu]      # patch the source tree SRC in place
+#   bash scripts/patch_horovod.sh --list [cpu|gpu]   # print the patches, one a line; change nothing
+#
+# cpu: C++17 instead of C++14 in CMakeLists.txt and horovod/torch/CMakeLists.txt (PyTorch >= 2.1
+#      headers need C++17).
+# gpu: the same, plus C++17 for the CUDA kernels (horovod/common/ops/cuda/CMakeLists.txt asks for
+#      C++11) and two includes gcc 13 needs (upstream after 0.28.1: "Fix build on gcc 13").
+# Each change is checked once made; running it again on a patched tree changes nothing. A file
+# without the expected text (not Horovod 0.28.1?) stops it with exit status 1.
+set -euo pipefail
+
+usage() { echo "usage: $0 SRC [cpu|gpu] | --list [cpu|gpu]" >&2; exit 2; }
+
+patches() {  # patches MODE: one line per patch, "FILE<TAB>KIND<TAB>ARG<TAB>WHY"
+  local t=$'\t' cxx17="PyTorch >= 2.1 needs C++17"
+  echo "CMakeLists.txt${t}std${t}CMAKE_CXX_STANDARD 14 17${t}$cxx17"
+  echo "horovod/torch/CMakeLists.txt${t}std${t}CMAKE_CXX_STANDARD 14 17${t}$cxx17"
+  if [ "$1" = gpu ]; then
+    echo "horovod/common/ops/cuda/CMakeLists.txt${t}std${t}CMAKE_CUDA_STANDARD 11 17${t}nvcc C++17"
+    echo "horovod/common/common.h${t}include${t}stdexcept${t}gcc 13"
+    echo "horovod/common/group_table.h${t}include${t}string${t}gcc 13"
+  fi
+}
+
+describe() {  # one readable line per patch
+  local file kind arg why var from to
+  while IFS=$'\t' read -r file kind arg why; do
+    if [ "$kind" = std ]; then
+      read -r var from to <<<"$arg"
+      echo "$file: set($var $from) -> set($var $to) ($why)"
+    else
+      echo "$file: add #include <$arg> ($why)"
+    fi
+  done
+}
+
+apply() {  # apply SRC: read the patches on stdin and make them in SRC
+  local src=$1 file kind arg why var from to path
+  while IFS=$'\t' read -r file kind arg why; do
+    path=$src/$file
+    [ -f "$path" ] ||
+      { echo "patch_horovod: $path: no such file (not Horovod 0.28.1's source?)" >&2; exit 1; }
+    if [ "$kind" = std ]; then
+      read -r var from to <<<"$arg"
+      grep -Eq "^[[:space:]]*set\($var ($from|$to)\)" "$path" || {
+        echo "patch_horovod: $path: no 'set($var $from)' to change (not Horovod 0.28.1?)" >&2
+        exit 1
+      }
+      sed -i "s/^\([[:space:]]*\)set($var $from)/\1set($var $to)/" "$path"
+      ! grep -q "set($var $from)" "$path" ||
+        { echo "patch_horovod: $path: still asks for $from" >&2; exit 1; }
+    elif ! grep -qx "#include <$arg>" "$path"; then
+      # Before the file's first #include, so that everything after it sees the declaration.
+      sed -i "0,/^#include /s//#include <$arg>\n&/" "$path"
+      grep -qx "#include <$arg>" "$path" || {
+        echo "patch_horovod: $path: no #include line to add <$arg> before" >&2
+        exit 1
+      }
+    fi
+  done
+}
+
+[ $# -ge 1 ] && [ $# -le 2 ] || usage
+mode=${2:-cpu}
+case $mode in cpu|gpu) ;; *) usage ;; esac
+if [ "$1" = --list ]; then
+  patches "$mode" | describe
+else
+  [ -d "$1" ] || { echo "patch_horovod: $1: not a directory" >&2; exit 1; }
+  patches "$mode" | apply "$1"
+fi

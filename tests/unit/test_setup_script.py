@@ -1,0 +1,425 @@
+"""scripts/setup.sh's decisions without a GPU: its --plan mode run with a stand-in python (a shell
+script printing the facts setup.sh asks its interpreter for) and a stand-in nvcc, its GPU path run
+end to end with stand-ins for the build, and scripts/patch_horovod.sh on a small source tree."""
+import hashlib
+import importlib.metadata as md
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SETUP = ROOT / "scripts" / "setup.sh"
+PATCH = ROOT / "scripts" / "patch_horovod.sh"
+CPU_KEY_PREFIX = "horovod-0.28.1-torch"
+
+# What a CUDA torch's interpreter reports (one GPU of compute capability 9.0, NCCL from its wheel).
+GPU_FACTS = {"py": "cp312", "tf_package": "", "tf": "", "missing": "", "torch": "2.11.0+cu130",
+             "torch_cuda": "13.0", "gpu_cc": "90", "torch_arch_cc": "75,80,86,90,100,120",
+             "nccl_dist": "nvidia-nccl-cu13 2.27.3"}
+# ... and the pinned CPU stack's.
+CPU_FACTS = {"py": "cp311", "tf_package": "tensorflow-cpu", "tf": "2.15.1", "missing": "",
+             "torch": "2.13.0+cpu", "torch_cuda": ""}
+NCCL_H = ("#define NCCL_MAJOR 2\n#define NCCL_MINOR 27\n#define NCCL_PATCH 3\n"
+          "#define NCCL_SUFFIX \"\"\n")
+
+
+def _exe(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+def _fake_python(tmp_path: Path, facts: dict, name: str = "python") -> Path:
+    """A python for setup.sh: ``-c`` (the probe) prints ``facts``; ``-`` (the Horovod check)
+    succeeds once a wheel was "installed"; ``-m pip wheel`` records its environment and source
+    tree and writes a wheel; ``-m pip install`` records what it installs."""
+    prefix = tmp_path / "prefix"
+    facts = {"prefix": str(prefix), "scripts": str(prefix / "bin"), **facts}
+    state = tmp_path / "pystate"
+    state.mkdir(parents=True, exist_ok=True)
+    (state / "facts").write_text("".join(f"{k}={v}\n" for k, v in facts.items()))
+    return _exe(tmp_path / "bin" / name, f"""#!/bin/bash
+state={state}
+case "$1" in
+  -c) cat "$state/facts" ;;
+  -) cat >/dev/null; [ -f "$state/installed" ] ;;
+  -m)
+    shift 2
+    case "$1" in
+      wheel)
+        env | grep -E '^(HOROVOD_|CMAKE_|MAKEFLAGS=|PATH=)' | sort > "$state/build-env"
+        for a in "$@"; do [ "$prev" = -w ] && out=$a; prev=$a; src=$a; done
+        cp -r "$src" "$state/src"
+        touch "$out/horovod-0.28.1-cp312-cp312-linux_x86_64.whl" ;;
+      install)
+        echo "$*" >> "$state/pip-install"
+        case "$*" in
+          *" -e "*) mkdir -p {prefix}/bin && touch {prefix}/bin/hvdtrain
+                    chmod +x {prefix}/bin/hvdtrain ;;
+          *.whl*) touch "$state/installed" ;;
+        esac ;;
+      *) exit 3 ;;
+    esac ;;
+  *) exit 2 ;;
+esac
+""")
+
+
+def _nccl_wheel(tmp_path: Path) -> Path:
+    """A stand-in for the nvidia-nccl-cu13 wheel's nvidia/nccl folder."""
+    nccl = tmp_path / "site" / "nvidia" / "nccl"
+    (nccl / "include").mkdir(parents=True)
+    (nccl / "include" / "nccl.h").write_text(NCCL_H)
+    (nccl / "lib").mkdir()
+    (nccl / "lib" / "libnccl.so.2").write_text("")
+    return nccl
+
+
+NVCC = "#!/bin/sh\necho 'Cuda compilation tools, release 13.0, V13.0.88'\n"
+
+
+def _env(tmp_path: Path, nvcc: str | None = NVCC, **extra) -> dict:
+    """A clean environment: stand-ins first on PATH, caches under tmp_path, no CUDA toolkit except
+    the stand-in ``nvcc`` (a script's text; None: no nvcc)."""
+    fakebin = tmp_path / "fakebin"
+    fakebin.mkdir(parents=True, exist_ok=True)
+    if nvcc:
+        _exe(fakebin / "nvcc", nvcc)
+    env = {"PATH": f"{fakebin}:/usr/bin:/bin", "HOME": str(tmp_path / "home"),
+           "HVDTRAIN_CACHE": str(tmp_path / "cache"), "CUDA_HOME": str(tmp_path / "no-cuda"),
+           "LANG": "C.UTF-8"}
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _setup(env: dict, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SETUP), *args], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def _plan(env: dict) -> dict:
+    """Run setup.sh --plan; {"key": value} for its NAME=VALUE lines, plus "env" (the build's
+    variables), "patch" (the patches) and "run" lists."""
+    proc = _setup(env, "--plan")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    plan = {"env": {}, "patch": [], "run": [], "stdout": proc.stdout}
+    for line in proc.stdout.splitlines():
+        if line.startswith("env "):
+            name, _, value = line[4:].partition("=")
+            plan["env"][name] = value
+        elif line.startswith(("patch ", "run ")):
+            kind, _, rest = line.partition(" ")
+            plan[kind].append(rest)
+        elif "=" in line and not line.startswith("["):
+            name, _, value = line.partition("=")
+            plan[name] = value
+    return plan
+
+
+def _gpu_env(tmp_path, facts=None, nvcc=NVCC, **extra):
+    nccl = _nccl_wheel(tmp_path)
+    py = _fake_python(tmp_path, {**GPU_FACTS, "nccl_dir": str(nccl), **(facts or {})})
+    return _env(tmp_path, nvcc, HVDTRAIN_PYTHON=py, **extra), nccl
+
+
+def test_cuda_torch_and_nvcc_give_an_nccl_build_for_the_gpus_present(tmp_path):
+    env, nccl = _gpu_env(tmp_path)
+    plan = _plan(env)
+    assert plan["mode"] == "gpu" and "has CUDA 13.0 and nvcc is" in plan["why"]
+    assert plan["key"] == ("horovod-0.28.1-torch2.11.0-notf-cp312-cxx17-v1"
+                           "-cu130-cc90-nccl2.27.3-gpu-v1")
+    build = plan["env"]
+    assert build["HOROVOD_GPU_OPERATIONS"] == "NCCL"
+    assert build["HOROVOD_BUILD_CUDA_CC_LIST"] == "90"
+    assert build["HOROVOD_NCCL_LINK"] == "SHARED"
+    assert build["HOROVOD_NCCL_HOME"].startswith(str(tmp_path / "cache" / "nccl-home"))
+    assert build["HOROVOD_WITHOUT_TENSORFLOW"] == "1" and "HOROVOD_WITH_TENSORFLOW" not in build
+    assert build["HOROVOD_WITH_PYTORCH"] == build["HOROVOD_WITH_MPI"] == "1"
+    assert plan["nccl"] == "2.27.3 from the nvidia-nccl-cu13 2.27.3 wheel"
+    assert plan["cc_list"] == "90 (the GPUs present)"
+    patches = "\n".join(plan["patch"])
+    assert "set(CMAKE_CUDA_STANDARD 11) -> set(CMAKE_CUDA_STANDARD 17)" in patches
+    assert "common.h: add #include <stdexcept>" in patches
+    assert "group_table.h: add #include <string>" in patches
+    assert "set(CMAKE_CXX_STANDARD 14) -> set(CMAKE_CXX_STANDARD 17)" in patches
+    (run,) = plan["run"]
+    assert run.startswith(f"LD_LIBRARY_PATH={nccl}/lib ")
+    # A plan changes nothing: no cache, no log.
+    assert not (tmp_path / "cache").exists()
+
+
+def test_cc_list_from_the_environment_and_from_torch_without_a_gpu(tmp_path):
+    env, _ = _gpu_env(tmp_path, HOROVOD_BUILD_CUDA_CC_LIST="80,90")
+    plan = _plan(env)
+    assert plan["env"]["HOROVOD_BUILD_CUDA_CC_LIST"] == "80,90" and "-cc80_90-" in plan["key"]
+
+    env, _ = _gpu_env(tmp_path / "nogpu", facts={"gpu_cc": ""})
+    plan = _plan(env)
+    assert plan["env"]["HOROVOD_BUILD_CUDA_CC_LIST"] == "75,80,86,90,100,120"
+    assert "the architectures torch was built for" in plan["cc_list"]
+
+    # ... less those an older nvcc cannot build for (it warns about the CUDA mismatch too).
+    older = ("#!/bin/sh\nif [ \"$1\" = --list-gpu-arch ]; then printf 'compute_%s\\n' 75 80 86 90;"
+             "\nelse echo 'Cuda compilation tools, release 12.4, V12.4.131'; fi\n")
+    env, _ = _gpu_env(tmp_path / "old-nvcc", facts={"gpu_cc": ""}, nvcc=older)
+    plan = _plan(env)
+    assert plan["env"]["HOROVOD_BUILD_CUDA_CC_LIST"] == "75,80,86,90"
+    assert "is CUDA 12.4 but torch was built with CUDA 13.0" in plan["warning"]
+
+
+def test_bad_cc_list_is_refused(tmp_path):
+    env, _ = _gpu_env(tmp_path, HOROVOD_BUILD_CUDA_CC_LIST="sm_90")
+    proc = _setup(env, "--plan")
+    assert proc.returncode == 1 and "HOROVOD_BUILD_CUDA_CC_LIST=sm_90" in proc.stderr
+
+
+def test_nccl_home_from_the_environment_wins(tmp_path):
+    system = tmp_path / "system-nccl"
+    (system / "include").mkdir(parents=True)
+    (system / "include" / "nccl.h").write_text(NCCL_H.replace("MINOR 27", "MINOR 21"))
+    env, _ = _gpu_env(tmp_path, HOROVOD_NCCL_HOME=system)
+    plan = _plan(env)
+    assert plan["env"]["HOROVOD_NCCL_HOME"] == str(system)
+    assert "HOROVOD_NCCL_LINK" not in plan["env"] and plan["run"] == []
+    assert plan["key"].endswith("-nccl2.21.3-gpu-v1")
+
+
+def test_without_nvcc_a_cuda_torch_gets_a_cpu_build_with_a_notice(tmp_path):
+    if shutil.which("nvcc", path="/usr/bin:/bin"):
+        pytest.skip("this machine has nvcc in /usr/bin")
+    nccl = _nccl_wheel(tmp_path)
+    py = _fake_python(tmp_path, {**GPU_FACTS, "nccl_dir": str(nccl)})
+    plan = _plan(_env(tmp_path, nvcc=None, HVDTRAIN_PYTHON=py))
+    assert plan["mode"] == "cpu" and "no nvcc" in plan["notice"]
+    assert "HOROVOD_GPU_OPERATIONS" not in plan["env"]
+    # torch's CUDA still makes Horovod compile its CUDA kernels: CUDA patches, own key.
+    assert plan["key"] == "horovod-0.28.1-torch2.11.0-notf-cp312-cxx17-v1-cu130-nonccl-gpu-v1"
+    assert any("CMAKE_CUDA_STANDARD" in p for p in plan["patch"])
+
+    proc = _setup(_env(tmp_path, nvcc=None, HVDTRAIN_PYTHON=py, HVDTRAIN_GPU=1), "--plan")
+    assert proc.returncode == 1 and "there is no nvcc" in proc.stderr
+
+
+def test_hvdtrain_gpu_0_forces_a_cpu_build(tmp_path):
+    env, _ = _gpu_env(tmp_path, HVDTRAIN_GPU=0, HOROVOD_GPU_OPERATIONS="NCCL")
+    plan = _plan(env)
+    assert plan["mode"] == "cpu" and plan["why"] == "HVDTRAIN_GPU=0"
+    assert "HOROVOD_GPU_OPERATIONS" not in plan["env"] and "-cc" not in plan["key"]
+
+
+def test_a_gpu_build_of_a_cpu_torch_is_refused(tmp_path):
+    py = _fake_python(tmp_path, CPU_FACTS)
+    proc = _setup(_env(tmp_path, HVDTRAIN_PYTHON=py, HVDTRAIN_GPU=1), "--plan")
+    assert proc.returncode == 1
+    assert "torch 2.13.0+cpu" in proc.stderr and "is a CPU build" in proc.stderr
+    assert "HVDTRAIN_GPU=0" in proc.stderr
+
+
+def test_default_cpu_plan_keeps_the_cpu_key_and_build(tmp_path):
+    """The venv's interpreter (VENV) reporting the pinned CPU stack, no settings, nvcc present:
+    the key and the build's variables of the CPU set-up, unchanged."""
+    _fake_python(tmp_path / "venv", CPU_FACTS)
+    plan = _plan(_env(tmp_path, VENV=tmp_path / "venv"))
+    assert plan["mode"] == "cpu" and plan["why"] == "torch 2.13.0+cpu is a CPU build"
+    assert plan["key"] == "horovod-0.28.1-torch2.13.0-tf2.15.1-cp311-cxx17-v1"
+    cores = len(os.sched_getaffinity(0))
+    assert plan["env"] == {"CMAKE_POLICY_VERSION_MINIMUM": "3.5", "HOROVOD_WITH_PYTORCH": "1",
+                           "HOROVOD_WITH_TENSORFLOW": "1", "HOROVOD_WITHOUT_MXNET": "1",
+                           "HOROVOD_WITH_MPI": "1", "HOROVOD_WITH_GLOO": "1",
+                           "HOROVOD_CPU_OPERATIONS": "MPI", "MAKEFLAGS": f"-j{cores}"}
+    assert len(plan["patch"]) == 2 and plan["run"] == []
+
+
+def test_default_plan_on_this_checkouts_venv():
+    """No settings at all, the real .venv: the CPU key that names the cached wheel."""
+    venv_python = ROOT / ".venv" / "bin" / "python"
+    if not venv_python.exists():
+        pytest.skip("no .venv: run make setup")
+    proc = subprocess.run(["bash", str(SETUP), "--plan"], capture_output=True, text=True,
+                          timeout=300, env={k: v for k, v in os.environ.items()
+                                            if not k.startswith(("HVDTRAIN_", "HOROVOD_"))})
+    assert proc.returncode == 0, proc.stderr
+    torch_v = md.version("torch").split("+")[0]
+    tf_v = md.version("tensorflow-cpu")
+    py = "cp%d%d" % sys.version_info[:2]
+    assert f"key={CPU_KEY_PREFIX}{torch_v}-tf{tf_v}-{py}-cxx17-v1\n" in proc.stdout
+    assert "mode=cpu\n" in proc.stdout
+
+
+def test_hvdtrain_python_without_torch_says_so(tmp_path):
+    py = _fake_python(tmp_path, {"py": "cp312", "missing": "cffi tqdm",
+                                 "torch_error": "ModuleNotFoundError: No module named 'torch'"})
+    proc = _setup(_env(tmp_path, HVDTRAIN_PYTHON=py), "--plan")
+    assert proc.returncode == 1
+    assert f"HVDTRAIN_PYTHON={py} cannot import torch" in proc.stderr
+    assert "No module named 'torch'" in proc.stderr
+
+
+def test_sdist_setting_is_checked_and_shown(tmp_path):
+    env, _ = _gpu_env(tmp_path, HVDTRAIN_HOROVOD_SDIST=tmp_path / "missing.tar.gz")
+    proc = _setup(env, "--plan")
+    assert proc.returncode == 1 and "missing.tar.gz: no such file" in proc.stderr
+    sdist = tmp_path / "horovod-0.28.1.tar.gz"
+    sdist.write_bytes(b"")
+    env["HVDTRAIN_HOROVOD_SDIST"] = str(sdist)
+    assert _plan(env)["sdist"] == str(sdist)
+
+
+def test_bad_settings_are_refused(tmp_path):
+    proc = _setup(_env(tmp_path, HVDTRAIN_GPU="yes"), "--plan")
+    assert proc.returncode == 1 and "HVDTRAIN_GPU must be 1" in proc.stderr
+    assert _setup(_env(tmp_path), "--bogus").returncode == 2
+
+
+# ---- the GPU path end to end, with stand-ins for pip, the build and horovodrun -----------------
+
+def _fake_source(root: Path) -> Path:
+    """The files of Horovod 0.28.1 that the patches touch, as they are there."""
+    files = {
+        "CMakeLists.txt": 'project(horovod CXX)\n\nset(CMAKE_CXX_STANDARD 14)\n'
+                          'string(PREPEND GLOO_CMAKE "set(CMAKE_CXX_STANDARD 17)\\n")\n',
+        "horovod/torch/CMakeLists.txt": 'if(NOT Pytorch_VERSION VERSION_LESS "1.5.0")\n'
+                                        '    set(CMAKE_CXX_STANDARD 14)\nendif()\n',
+        "horovod/common/ops/cuda/CMakeLists.txt": "set(CMAKE_CUDA_STANDARD 11)\n"
+                                                  "set(CMAKE_CUDA_STANDARD_REQUIRED ON)\n",
+        "horovod/common/common.h": "#ifndef HOROVOD_COMMON_H\n#define HOROVOD_COMMON_H\n\n"
+                                   "#include <functional>\n#include <memory>\n",
+        "horovod/common/group_table.h": "// licence\n\n#include <mutex>\n#include <queue>\n",
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+CHECK_BUILD = """Horovod v0.28.1:
+
+Available Frameworks:
+    [ ] TensorFlow
+    [X] PyTorch
+    [ ] MXNet
+
+Available Controllers:
+    [X] MPI
+    [X] Gloo
+
+Available Tensor Operations:
+    [X] NCCL
+    [ ] DDL
+    [ ] CCL
+    [X] MPI
+    [X] Gloo
+"""
+
+
+def test_gpu_setup_end_to_end_with_stand_ins(tmp_path):
+    if not all(shutil.which(p, path="/usr/bin:/bin") for p in ("mpirun", "mpicc", "ssh")) \
+            or not os.path.exists("/usr/sbin/sshd"):
+        pytest.skip("Open MPI or ssh missing: setup.sh would apt-get install them")
+    sdist = tmp_path / "horovod-0.28.1.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        tar.add(_fake_source(tmp_path / "src" / "horovod-0.28.1"), arcname="horovod-0.28.1")
+    env, nccl = _gpu_env(tmp_path, HVDTRAIN_HOROVOD_SDIST=sdist)
+    _exe(tmp_path / "prefix" / "bin" / "horovodrun", f"#!/bin/sh\ncat <<'OUT'\n{CHECK_BUILD}OUT\n")
+    proc = _setup(env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("[setup] GPU build (torch 2.11.0+cu130 has CUDA 13.0 and nvcc is ")
+    assert "NCCL 2.27.3 from the nvidia-nccl-cu13 2.27.3 wheel, compute capabilities 90" in lines[0]
+    key = "horovod-0.28.1-torch2.11.0-notf-cp312-cxx17-v1-cu130-cc90-nccl2.27.3-gpu-v1"
+    assert lines[1].startswith("[setup] building Horovod 0.28.1 with NCCL") and key in lines[1]
+    assert lines[3] == ("[setup] Horovod built with frameworks PyTorch; controllers MPI, Gloo; "
+                        "tensor operations NCCL, MPI, Gloo")
+    assert (tmp_path / "cache" / "wheels" / key).is_dir()
+
+    state = tmp_path / "pystate"
+    build = dict(line.split("=", 1) for line in (state / "build-env").read_text().splitlines())
+    assert build["HOROVOD_GPU_OPERATIONS"] == "NCCL" and build["HOROVOD_NCCL_LINK"] == "SHARED"
+    assert build["HOROVOD_BUILD_CUDA_CC_LIST"] == "90"
+    assert build["HOROVOD_WITHOUT_TENSORFLOW"] == "1" and build["PATH"].startswith("/usr/bin:")
+    home = Path(build["HOROVOD_NCCL_HOME"])
+    assert (home / "include" / "nccl.h").read_text() == NCCL_H
+    assert os.readlink(home / "lib" / "libnccl.so") == "libnccl.so.2"
+    assert (home / "lib" / "libnccl.so.2").resolve() == (nccl / "lib" / "libnccl.so.2").resolve()
+    src = state / "src"
+    cuda_cmake = (src / "horovod/common/ops/cuda/CMakeLists.txt").read_text()
+    assert "set(CMAKE_CUDA_STANDARD 17)" in cuda_cmake
+    assert "#include <stdexcept>" in (src / "horovod/common/common.h").read_text()
+
+    # The last line says where NCCL's library is, and the file to source for it.
+    prefix_hash = hashlib.sha256(str(tmp_path / "prefix").encode()).hexdigest()[:12]
+    env_file = tmp_path / "cache" / "state" / prefix_hash / "hvdtrain-env.sh"
+    assert lines[-1].startswith(f"[setup] ready: {tmp_path / 'bin' / 'python'} (Horovod 0.28.1 "
+                                "with NCCL 2.27.3, torch 2.11.0+cu130, no TensorFlow); ")
+    assert f"source {env_file}" in lines[-1] and f"LD_LIBRARY_PATH={nccl}/lib:" in lines[-1]
+    twice = f'. "{env_file}"; . "{env_file}"; echo "$LD_LIBRARY_PATH"'
+    sourced = subprocess.run(["bash", "-c", twice], capture_output=True, text=True,
+                             env={"LD_LIBRARY_PATH": "/x"})
+    assert sourced.stdout.strip() == f"{nccl}/lib:/x"
+    installs = (state / "pip-install").read_text()
+    assert "--no-deps --no-build-isolation -e" in installs and ".whl" in installs
+
+    # A second run finds everything in place: only the last line.
+    again = _setup(env)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.splitlines() == [lines[-1]]
+
+
+# ---- scripts/patch_horovod.sh -------------------------------------------------------------------
+
+def _patch(*args) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(PATCH), *map(str, args)], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_gpu_patches_on_a_source_tree(tmp_path):
+    src = _fake_source(tmp_path)
+    assert _patch(src, "gpu").returncode == 0
+    assert (src / "CMakeLists.txt").read_text() == (
+        'project(horovod CXX)\n\nset(CMAKE_CXX_STANDARD 17)\n'
+        'string(PREPEND GLOO_CMAKE "set(CMAKE_CXX_STANDARD 17)\\n")\n')
+    assert (src / "horovod/torch/CMakeLists.txt").read_text() == (
+        'if(NOT Pytorch_VERSION VERSION_LESS "1.5.0")\n    set(CMAKE_CXX_STANDARD 17)\nendif()\n')
+    assert (src / "horovod/common/ops/cuda/CMakeLists.txt").read_text() == (
+        "set(CMAKE_CUDA_STANDARD 17)\nset(CMAKE_CUDA_STANDARD_REQUIRED ON)\n")
+    assert (src / "horovod/common/common.h").read_text() == (
+        "#ifndef HOROVOD_COMMON_H\n#define HOROVOD_COMMON_H\n\n"
+        "#include <stdexcept>\n#include <functional>\n#include <memory>\n")
+    assert (src / "horovod/common/group_table.h").read_text() == (
+        "// licence\n\n#include <string>\n#include <mutex>\n#include <queue>\n")
+    # Again on the patched tree: nothing changes.
+    before = {p: p.read_text() for p in src.rglob("*") if p.is_file()}
+    assert _patch(src, "gpu").returncode == 0
+    assert {p: p.read_text() for p in src.rglob("*") if p.is_file()} == before
+
+
+def test_cpu_patches_leave_the_cuda_files_alone(tmp_path):
+    src = _fake_source(tmp_path)
+    assert _patch(src).returncode == 0
+    assert "set(CMAKE_CXX_STANDARD 17)" in (src / "horovod/torch/CMakeLists.txt").read_text()
+    assert "CUDA_STANDARD 11" in (src / "horovod/common/ops/cuda/CMakeLists.txt").read_text()
+    assert "<stdexcept>" not in (src / "horovod/common/common.h").read_text()
+
+
+def test_patch_refuses_a_tree_that_is_not_horovod_0_28_1(tmp_path):
+    src = _fake_source(tmp_path)
+    (src / "horovod/torch/CMakeLists.txt").write_text("set(CMAKE_CXX_STANDARD 20)\n")
+    proc = _patch(src, "gpu")
+    assert proc.returncode == 1
+    assert "horovod/torch/CMakeLists.txt: no 'set(CMAKE_CXX_STANDARD 14)'" in proc.stderr
+    (src / "horovod/common/common.h").unlink()
+    proc = _patch(src.parent / "nowhere", "gpu")
+    assert proc.returncode == 1 and "not a directory" in proc.stderr
+
+
+def test_patch_list_names_each_change():
+    listed = _patch("--list", "gpu").stdout.splitlines()
+    assert len(listed) == 5 and listed[2].startswith("horovod/common/ops/cuda/CMakeLists.txt: ")
+    assert len(_patch("--list", "cpu").stdout.splitlines()) == 2
+    assert _patch("--list", "tpu").returncode == 2
