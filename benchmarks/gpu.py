@@ -1,0 +1,361 @@
+"""ResNet-50 training throughput on NVIDIA GPUs with synthetic data: a plain PyTorch loop against
+the same loop through hvdtrain (``init``, ``distribute``, ``micro_batches`` with k=1), in fp32,
+bf16 (``torch.autocast``) and channels_last (fp32, NHWC model and batches). Output lines follow
+Horovod's ``pytorch_synthetic_benchmark.py`` (``Iter #i: X img/sec per GPU``,
+``Img/sec per GPU: mean +-1.96 std``, ``Total img/sec on N GPU(s): ...``).
+
+GPU machines are noisy (clocks, other tenants), so the two loops run interleaved in one process:
+each round times every variant's plain block and hvdtrain block back to back, the order of the
+two swapped every round; the ratio hvdtrain / plain of a variant is the median of its per-round
+ratios. The target, hvdtrain / plain >= 0.98, is reported, not asserted.
+
+Launch::
+
+    python benchmarks/gpu.py --json-out benchmarks/results/gpu.json        # one GPU
+    horovodrun -np 4 python benchmarks/gpu.py                              # one rank per GPU
+
+At np=1 Horovod registers no gradient hooks (there is nothing to all-reduce), so the ratio
+measures hvdtrain's own per-step cost; at np >= 2 the hvdtrain loop also all-reduces while the
+plain loop stays a single-GPU loop, and the ratio becomes a scaling efficiency.
+
+Smoke test without GPU or torchvision (what tests/unit/test_gpu_benchmark.py runs)::
+
+    python benchmarks/gpu.py --device cpu --model tiny --image-size 32 --batch-size 4 \\
+        --iters 2 --warmup 1 --batches-per-iter 1 --rounds 1
+
+Exit status 2, before any work, with what to install, when CUDA (``--device cuda``, the
+default), torchvision (any ``--model`` but ``tiny``) or Horovod is missing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VARIANTS = ("fp32", "bf16", "channels_last")
+LOOPS = ("plain", "hvdtrain")
+LOOP_NAMES = {"plain": "plain PyTorch", "hvdtrain": "hvdtrain"}
+TARGET_RATIO = 0.98
+PROG = "benchmarks/gpu.py"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="resnet50",
+                   help="a torchvision.models name (resnet50, resnet18, ...; weights=None), or "
+                        "'tiny' (a small CNN built here, no torchvision needed)")
+    p.add_argument("--batch-size", type=int, default=64, help="images per step per GPU")
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--num-classes", type=int, default=1000)
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: a smoke test of this script, not a benchmark")
+    p.add_argument("--warmup", type=int, default=10,
+                   help="untimed steps before each timed block")
+    p.add_argument("--batches-per-iter", type=int, default=10, help="steps per timed iteration")
+    p.add_argument("--iters", type=int, default=5, help="timed iterations per block")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds; each times every variant's plain and hvdtrain block once")
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--json-out", help="rank 0 writes the results (with the machine) here")
+    args = p.parse_args(argv)
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    bad = [v for v in args.variants if v not in VARIANTS]
+    if bad or not args.variants:
+        p.error(f"--variants: {', '.join(bad) or 'none given'}; choose from {', '.join(VARIANTS)}")
+    for flag in ("batch_size", "image_size", "num_classes", "batches_per_iter", "iters",
+                 "rounds"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
+    return args
+
+
+def torchvision_pin(torch_version: str) -> str:
+    """The torchvision release line built for a torch release: torch 2.N pairs with 0.(N+15)
+    (2.13 -> 0.28)."""
+    major, minor = (int(x) for x in torch_version.split("+")[0].split(".")[:2])
+    return f"0.{minor + 15}.*" if major == 2 else "<the release matching your torch>"
+
+
+def missing_requirements(args) -> list[str]:
+    """What this run needs and lacks, each with what to do; empty when it can start."""
+    import torch
+    problems = []
+    if args.device == "cuda" and not torch.cuda.is_available():
+        build = (f"built for CUDA {torch.version.cuda}, but no GPU or driver is visible"
+                 if torch.version.cuda else "a CPU-only build")
+        problems.append(
+            f"no CUDA device: torch.cuda.is_available() is False (torch {torch.__version__}, "
+            f"{build}). Run this on an NVIDIA GPU machine with a CUDA build of torch and Horovod "
+            "built with NCCL (scripts/setup.sh with HVDTRAIN_GPU=1), or pass --device cpu for a "
+            "smoke test of the script")
+    if args.model != "tiny":
+        install = (f"pip install 'torchvision=={torchvision_pin(torch.__version__)}' (the "
+                   f"release line built for torch {torch.__version__.split('+')[0]}) from the "
+                   "same package index as torch: the CUDA wheel for a CUDA torch, the +cpu wheel "
+                   "for a CPU torch; or pass --model tiny")
+        try:
+            import torchvision  # noqa: F401
+        except ImportError:
+            problems.append(f"torchvision is not installed in {sys.prefix} (needed for --model "
+                            f"{args.model}): {install}")
+        except Exception as exc:  # noqa: BLE001 - e.g. RuntimeError from its compiled ops
+            import importlib.util
+            spec = importlib.util.find_spec("torchvision")
+            where = Path(spec.origin).parent if spec and spec.origin else sys.prefix
+            problems.append(
+                f"torchvision ({where}) does not import "
+                f"({type(exc).__name__}: {exc}): it was built for another torch than "
+                f"{torch.__version__} (e.g. the CUDA wheel beside a CPU torch); {install}")
+    try:
+        import horovod.torch  # noqa: F401
+    except ImportError as exc:
+        problems.append(f"Horovod's PyTorch layer does not import ({exc}): run make setup "
+                        "(scripts/setup.sh), which builds Horovod against this torch")
+    return problems
+
+
+def build_model(args):
+    """``args.model`` with ``args.num_classes`` outputs and fresh (random) weights."""
+    from torch import nn
+    if args.model == "tiny":
+        return nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+            nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, args.num_classes))
+    import torchvision
+    if args.model not in torchvision.models.list_models():
+        raise SystemExit(f"{PROG}: error: --model {args.model!r} is not a torchvision model "
+                         f"(torchvision {torchvision.__version__}); e.g. resnet50, resnet18, or "
+                         "tiny")
+    return torchvision.models.get_model(args.model, weights=None, num_classes=args.num_classes)
+
+
+class Runner:
+    """One variant through one loop: its own model, optimizer and synthetic batch, kept for the
+    whole run so that rounds only time steps."""
+
+    def __init__(self, args, variant: str, loop: str, device):
+        import torch
+        import torch.nn.functional as F
+
+        import hvdtrain.torch as ht
+
+        torch.manual_seed(0)  # both loops start from the same weights
+        fmt = torch.channels_last if variant == "channels_last" else torch.contiguous_format
+        model = build_model(args).to(device).to(memory_format=fmt)
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        if loop == "hvdtrain":
+            model, optimizer = ht.distribute(model, optimizer, backward_passes_per_step=1)
+        model.train()
+        g = torch.Generator().manual_seed(1)
+        data = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g)
+        data = data.to(device).contiguous(memory_format=fmt)
+        target = torch.randint(0, args.num_classes, (args.batch_size,), generator=g).to(device)
+        dtype = torch.bfloat16 if variant == "bf16" else torch.float32
+
+        def autocast():
+            return torch.autocast(device.type, dtype=dtype, enabled=variant == "bf16")
+
+        def plain(steps: int) -> None:
+            for _ in range(steps):
+                with autocast():
+                    loss = F.cross_entropy(model(data), target)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+
+        def hvdtrain(steps: int) -> None:
+            for (x, y), micro in ht.micro_batches([(data, target)] * steps, 1):
+                with autocast():
+                    loss = F.cross_entropy(model(x), y)
+                (loss * micro.loss_weight).backward()
+                if micro.sync:
+                    optimizer.step()
+                    optimizer.zero_grad()
+
+        self.steps = plain if loop == "plain" else hvdtrain
+        self.sync = ((lambda: torch.cuda.synchronize(device)) if device.type == "cuda"
+                     else (lambda: None))
+
+    def block(self, args) -> list[float]:
+        """Warm up, then time ``args.iters`` iterations; returns their seconds."""
+        if args.warmup:
+            self.steps(args.warmup)
+        seconds = []
+        for _ in range(args.iters):
+            self.sync()
+            start = time.perf_counter()
+            self.steps(args.batches_per_iter)
+            self.sync()  # CUDA runs asynchronously: time what the GPU did, not what was queued
+            seconds.append(time.perf_counter() - start)
+        return seconds
+
+
+def machine(device) -> dict:
+    """The GPU, driver, CUDA and library versions the numbers were measured with."""
+    import torch
+
+    import horovod
+    import horovod.torch as hvd
+    facts = {"python": platform.python_version(), "torch": torch.__version__,
+             "torchvision": None, "horovod": horovod.__version__,
+             "horovod_nccl_built": bool(hvd.nccl_built()), "host": platform.node(),
+             "cpu_count": os.cpu_count()}
+    try:
+        import torchvision
+        facts["torchvision"] = torchvision.__version__
+    except ImportError:
+        pass
+    if device.type != "cuda":
+        return {**facts, "gpu": None}
+    props = torch.cuda.get_device_properties(device)
+    try:
+        driver_api = torch._C._cuda_getDriverVersion()  # e.g. 13000: the CUDA API of the driver
+        driver_api = f"{driver_api // 1000}.{driver_api % 1000 // 10}"
+    except (AttributeError, RuntimeError):
+        driver_api = None
+    try:
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    except (AttributeError, RuntimeError):
+        nccl = None
+    facts.update({
+        "gpu": torch.cuda.get_device_name(device), "gpu_count": torch.cuda.device_count(),
+        "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+        "compute_capability": "%d.%d" % torch.cuda.get_device_capability(device),
+        "driver": nvidia_driver(), "cuda_driver_api": driver_api,
+        "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(), "nccl": nccl,
+        "tf32_convolutions": torch.backends.cudnn.allow_tf32,
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark})
+    return facts
+
+
+def nvidia_driver() -> str | None:
+    """The NVIDIA driver version (nvidia-smi, else NVML), or None."""
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                                  "--format=csv,noheader"], capture_output=True, text=True,
+                                 timeout=30)
+            if out.returncode == 0 and out.stdout.strip():
+                return out.stdout.strip().splitlines()[0]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+        return version.decode() if isinstance(version, bytes) else version
+    except Exception:  # noqa: BLE001 - NVML absent or unusable: the driver stays unknown
+        return None
+
+
+def summary(values: list[float]) -> tuple[float, float]:
+    """Mean and 1.96 x the (population) standard deviation, as Horovod's benchmark prints."""
+    mean = statistics.fmean(values)
+    return mean, 1.96 * statistics.pstdev(values) if len(values) > 1 else 0.0
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    problems = missing_requirements(args)
+    if problems:
+        for problem in problems:
+            print(f"{PROG}: error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
+
+    import torch
+
+    import hvdtrain.torch as ht
+    info = ht.init(seed=0, device=args.device)
+    device = torch.device(info.device)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # as Horovod's benchmark: fastest conv kernels
+    rank0 = info.rank == 0
+    log = print if rank0 else (lambda *a, **k: None)
+    unit = "GPU" if device.type == "cuda" else "CPU"
+    log(f"Model: {args.model}")
+    log(f"Batch size: {args.batch_size}")
+    log(f"Number of {unit}s: {info.size}")
+    log(f"Variants: {', '.join(args.variants)}; loops: plain PyTorch, hvdtrain (k=1); "
+        f"{args.rounds} round(s) of {args.iters} x {args.batches_per_iter} steps per block, "
+        f"{args.warmup} warmup steps before each")
+
+    runners = {(v, loop): Runner(args, v, loop, device) for v in args.variants for loop in LOOPS}
+    samples = args.batch_size * args.batches_per_iter
+    iters = {key: [] for key in runners}   # img/sec of every timed iteration
+    rounds = {key: [] for key in runners}  # img/sec of each round's block
+    for r in range(args.rounds):
+        order = LOOPS if r % 2 == 0 else LOOPS[::-1]  # alternate who goes first
+        for variant in args.variants:
+            for loop in order:
+                key = (variant, loop)
+                log(f"Round {r + 1}/{args.rounds}, {variant}, {LOOP_NAMES[loop]}: "
+                    "Running benchmark...")
+                seconds = runners[key].block(args)
+                for s in seconds:
+                    log(f"Iter #{len(iters[key])}: {samples / s:.1f} img/sec per {unit}")
+                    iters[key].append(samples / s)
+                rounds[key].append(samples * len(seconds) / sum(seconds))
+
+    results = {}
+    for variant in args.variants:
+        entry = {}
+        for loop in LOOPS:
+            mean, conf = summary(iters[(variant, loop)])
+            log(f"{variant}, {LOOP_NAMES[loop]}:")
+            log(f"Img/sec per {unit}: {mean:.1f} +-{conf:.1f}")
+            log(f"Total img/sec on {info.size} {unit}(s): {info.size * mean:.1f} "
+                f"+-{info.size * conf:.1f}")
+            entry[loop] = {"img_sec_per_device": mean, "img_sec_per_device_conf": conf,
+                           "total_img_sec": info.size * mean,
+                           "img_sec_median_of_rounds": statistics.median(rounds[(variant, loop)]),
+                           "rounds": rounds[(variant, loop)], "iters": iters[(variant, loop)]}
+        round_ratios = [h / p for h, p in zip(rounds[(variant, "hvdtrain")],
+                                              rounds[(variant, "plain")])]
+        entry["round_ratios"] = round_ratios
+        entry["ratio"] = statistics.median(round_ratios)
+        entry["ratio_of_means"] = (entry["hvdtrain"]["img_sec_per_device"]
+                                   / entry["plain"]["img_sec_per_device"])
+        entry["meets_target"] = entry["ratio"] >= TARGET_RATIO
+        log(f"Ratio hvdtrain / plain ({variant}): {entry['ratio']:.3f} (median of "
+            f"{len(round_ratios)} round(s); target >= {TARGET_RATIO}: "
+            f"{'met' if entry['meets_target'] else 'NOT met'})")
+        results[variant] = entry
+
+    log("")
+    log(f"| variant | plain img/s per {unit} | hvdtrain img/s per {unit} "
+        "| hvdtrain / plain (median of rounds) |")
+    log("|---|---|---|---|")
+    for variant, e in results.items():
+        log(f"| {variant} | {e['plain']['img_sec_median_of_rounds']:,.1f} | "
+            f"{e['hvdtrain']['img_sec_median_of_rounds']:,.1f} | {e['ratio']:.3f} |")
+
+    report = {"benchmark": "gpu", "model": args.model, "batch_size": args.batch_size,
+              "image_size": args.image_size, "num_classes": args.num_classes,
+              "device": args.device, "unit": unit, "size": info.size,
+              "settings": {"warmup": args.warmup, "batches_per_iter": args.batches_per_iter,
+                           "iters": args.iters, "rounds": args.rounds, "lr": args.lr,
+                           "backward_passes_per_step": 1},
+              "target_ratio": TARGET_RATIO, "machine": machine(device), "variants": results}
+    if rank0 and args.json_out:
+        path = Path(args.json_out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        log(f"wrote {path}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
