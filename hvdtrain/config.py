@@ -9,13 +9,13 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hvdtrain.runtime import DEVICES
 from hvdtrain.schedule import LR_SCALING_RULES
 
 FRAMEWORKS = ("torch", "keras")
 DATASETS = ("digits", "synthetic")
 COMPRESSIONS = ("none", "fp16")
 OPS = ("average", "adasum")
-DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 

@@ -126,6 +126,17 @@ class RankInfo:
 
 
 DEVICES = ("auto", "cpu", "cuda")
+BUFFER_SYNC_OPS = ("average", "broadcast")  # sync_buffers' rules, both adapters
+
+
+def check_buffer_sync_op(op: str) -> None:
+    """The argument check of both adapters' ``sync_buffers``.
+
+    Raises:
+        ValueError: ``op`` is not ``"average"`` or ``"broadcast"``.
+    """
+    if op not in BUFFER_SYNC_OPS:
+        raise ValueError(f"op must be one of {', '.join(BUFFER_SYNC_OPS)}; got {op!r}")
 
 
 def choose_device(device: str, gpus: int, local_rank: int, local_size: int) -> str:

@@ -119,9 +119,6 @@ def ranks_where(flag: bool, name: str = "hvdtrain.flag") -> list[int]:
                                lambda values: allreduce_sums(values, name=name))
 
 
-BUFFER_SYNC_OPS = ("average", "broadcast")
-
-
 def sync_buffers(model: tf.keras.Model, op: str = "average", root_rank: int = 0) -> int:
     """Make the model's non-trainable variables (BatchNormalization ``moving_mean``/
     ``moving_variance``, any other non-trainable state) equal on every rank, in place.
@@ -140,8 +137,7 @@ def sync_buffers(model: tf.keras.Model, op: str = "average", root_rank: int = 0)
     Raises:
         ValueError: an unknown ``op``, or the model is not built.
     """
-    if op not in BUFFER_SYNC_OPS:
-        raise ValueError(f"op must be one of {', '.join(BUFFER_SYNC_OPS)}; got {op!r}")
+    runtime.check_buffer_sync_op(op)
     _require_built(model)
     variables = list(model.non_trainable_variables)
     if hvd.size() == 1 or not variables:
@@ -165,8 +161,7 @@ class SyncBuffersCallback(tf.keras.callbacks.Callback):
 
     def __init__(self, op: str = "average"):
         super().__init__()
-        if op not in BUFFER_SYNC_OPS:
-            raise ValueError(f"op must be one of {', '.join(BUFFER_SYNC_OPS)}; got {op!r}")
+        runtime.check_buffer_sync_op(op)
         self.op = op
 
     def on_epoch_end(self, epoch, logs=None):

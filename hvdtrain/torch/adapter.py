@@ -247,9 +247,6 @@ def _dense_layout_tensors_(tensors: list[tuple[str, torch.Tensor]], collective) 
             tensor.copy_(buffer)
 
 
-BUFFER_SYNC_OPS = ("average", "broadcast")
-
-
 def sync_buffers(model: torch.nn.Module, op: str = "average", root_rank: int = 0) -> int:
     """Make the model's buffers (BatchNorm ``running_mean``/``running_var``/
     ``num_batches_tracked``, any other registered buffer) equal on every rank, in place.
@@ -279,8 +276,7 @@ def sync_buffers(model: torch.nn.Module, op: str = "average", root_rank: int = 0
     Raises:
         ValueError: an unknown ``op``.
     """
-    if op not in BUFFER_SYNC_OPS:
-        raise ValueError(f"op must be one of {', '.join(BUFFER_SYNC_OPS)}; got {op!r}")
+    runtime.check_buffer_sync_op(op)
     buffers = [(f"hvdtrain.buffer.{name}", b) for name, b in model.named_buffers()]
     if hvd.size() == 1 or not buffers:
         return len(buffers)
