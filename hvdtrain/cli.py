@@ -13,6 +13,7 @@ a second with a message that names the option (exit status 2).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from hvdtrain import __version__, runtime
@@ -73,6 +74,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                              "(fp16 with a dynamic loss scale)")
     parser.add_argument("--init-loss-scale", type=float, default=d.init_loss_scale,
                         help="fp16: the dynamic loss scale's starting value")
+    parser.add_argument("--keras-backend", default=d.keras_backend,
+                        help="--framework keras: Keras 3's backend, tensorflow or torch "
+                             "(default: $KERAS_BACKEND, else tensorflow)")
     parser.add_argument("--batchnorm", action="store_true",
                         help="BatchNorm after each convolution (statistics averaged over ranks)")
 
@@ -85,6 +89,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = TrainConfig(**fields).validate()
     except ConfigError as exc:
         return _fail(str(exc))
+    if cfg.framework == "keras":  # before Keras is imported: it reads the backend once
+        os.environ["KERAS_BACKEND"] = cfg.keras_backend
     if cfg.elastic and cfg.framework == "torch":
         from hvdtrain.torch.elastic import fit_elastic as fit
     elif cfg.elastic:

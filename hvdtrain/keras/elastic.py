@@ -1,5 +1,7 @@
 """``hvdtrain train --framework keras --elastic``: Keras training that survives workers leaving and
-joining, with Horovod Elastic for TensorFlow 2 (``hvd.elastic.run``, ``hvd.elastic.KerasState``).
+joining, with Horovod Elastic's run loop (``hvd.elastic.run`` of ``horovod.tensorflow`` or ``horovod.torch``,
+the Keras backend's) and :class:`KerasState` (Horovod's own ``KerasState`` is written for Keras 2
+optimizers).
 The same behaviour and launch as :mod:`hvdtrain.torch.elastic`::
 
     hvdtrain launch --elastic --min-np 1 --max-np 3 --host-discovery-script ./discover.sh \\
@@ -21,18 +23,57 @@ import time
 from pathlib import Path
 
 import horovod
-import horovod.tensorflow.keras as hvd
+import keras
 import numpy as np
-import tensorflow as tf
+from horovod.common.elastic import ObjectState
+from keras import ops
 
 from hvdtrain import runtime, schedule
 from hvdtrain.config import TrainConfig
-from hvdtrain.keras import adapter, checkpoint
+from hvdtrain.keras import _backend, adapter, checkpoint
 from hvdtrain.keras.models import build_model
-from hvdtrain.keras.trainer import evaluate, load_nhwc
+from hvdtrain.keras.trainer import _framework_version, evaluate, load_nhwc
 from hvdtrain.report import EpochMetrics, run_header, setup_logging, write_elastic_report
 
 log = logging.getLogger("hvdtrain")
+hvd = _backend.hvd
+
+
+class KerasState(ObjectState):
+    """Horovod Elastic state for a Keras 3 model and optimizer plus plain Python values
+    (``**kwargs``, exposed as attributes).
+
+    ``commit()`` (``save``) copies the model's weights and the optimizer's variables to host
+    memory; ``restore()`` puts the last copy back (after a worker failed); ``sync()`` (after
+    every reset) broadcasts model, optimizer and the Python values from rank 0
+    (:func:`hvdtrain.keras.broadcast_state`).
+    """
+
+    def __init__(self, model: keras.Model, optimizer, **kwargs):
+        self.model, self.optimizer = model, optimizer
+        self._saved_weights = self._saved_optimizer = None
+        super().__init__(bcast_object=_backend.broadcast_object, get_rank=hvd.rank, **kwargs)
+        self._save_variables()
+
+    def _save_variables(self) -> None:
+        self._saved_weights = [np.array(w) for w in self.model.get_weights()]
+        self._saved_optimizer = [np.array(ops.convert_to_numpy(v))
+                                 for v in self.optimizer.variables]
+
+    def save(self) -> None:
+        self._save_variables()
+        super().save()
+
+    def restore(self) -> None:
+        self.model.set_weights(self._saved_weights)
+        for var, value in zip(self.optimizer.variables, self._saved_optimizer):
+            var.assign(value)
+        super().restore()
+
+    def sync(self) -> None:
+        adapter.broadcast_state(self.model, self.optimizer)
+        self._save_variables()
+        super().sync()
 
 
 def epoch_shard(samples: int, done: int, seed: int, epoch: int, rank: int,
@@ -71,29 +112,33 @@ def fit_elastic(cfg: TrainConfig) -> dict:
     split, x_train, x_test = load_nhwc(cfg)
 
     model = build_model(split.num_classes, x_train.shape[1])
-    optimizer = hvd.DistributedOptimizer(
-        tf.keras.optimizers.SGD(learning_rate=cfg.lr, momentum=cfg.momentum))
-    optimizer.build(model.trainable_variables)  # KerasState saves the slots: they must exist
+    optimizer = keras.optimizers.SGD(learning_rate=cfg.lr, momentum=cfg.momentum)
+    model, optimizer = adapter.distribute(model, optimizer, lr_scaling=cfg.lr_scaling)
+    lr_schedule = adapter._schedule_of(optimizer)
     model.compile(optimizer=optimizer,
-                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"], jit_compile=False)
     out = Path(cfg.output_dir)
 
     def set_lr() -> None:
-        optimizer.learning_rate = schedule.scaled_lr(cfg.lr, cfg.lr_scaling, hvd.size())
+        lr_schedule.scale.assign(schedule.scale_factor(cfg.lr_scaling, hvd.size()))
 
-    state = hvd.elastic.KerasState(model, optimizer, epoch=0, batch=0, done=0, samples=0,
-                                   loss_sum=0.0, correct=0.0, sizes=[], history=[])
+    def current_lr() -> float:
+        return lr_schedule.lr_at(int(ops.convert_to_numpy(optimizer.iterations)))
+
+    state = KerasState(model, optimizer, epoch=0, batch=0, done=0, samples=0,
+                       loss_sum=0.0, correct=0.0, sizes=[], history=[])
 
     def on_reset() -> None:
         set_lr()
-        log.warning("workers changed: now %d (lr %g)", hvd.size(),
-                    float(optimizer.learning_rate.numpy()))
+        log.warning("workers changed: now %d (lr %g)", hvd.size(), current_lr())
 
     state.register_reset_callbacks([on_reset])
     steps_per_epoch = math.ceil(len(x_train) / (cfg.batch_size * info.size))
     header = run_header("keras", cfg, info, len(x_train), len(x_test), steps_per_epoch,
-                        {"tensorflow": tf.__version__, "horovod": horovod.__version__})
+                        {"keras": keras.__version__, "keras_backend": adapter.backend(),
+                         adapter.backend(): _framework_version(),
+                         "horovod": horovod.__version__})
     header["elastic"] = True
 
     def write_report() -> dict:
@@ -111,6 +156,7 @@ def fit_elastic(cfg: TrainConfig) -> dict:
             for first in range(0, len(mine), cfg.batch_size):
                 idx = mine[first:first + cfg.batch_size]
                 loss, accuracy = model.train_on_batch(x_train[idx], split.y_train[idx])
+                loss, accuracy = float(loss), float(accuracy)
                 totals = adapter.allreduce_sums(
                     {"n": len(idx), "loss": loss * len(idx), "correct": accuracy * len(idx)},
                     name="hvdtrain.elastic")
@@ -125,14 +171,15 @@ def fit_elastic(cfg: TrainConfig) -> dict:
             seconds = time.perf_counter() - start
             metrics = EpochMetrics(state.epoch + 1, state.loss_sum / state.samples,
                                    state.correct / state.samples, test_loss, test_acc,
-                                   float(optimizer.learning_rate.numpy()), state.batch, seconds,
+                                   current_lr(), state.batch, seconds,
                                    state.samples / seconds)
             state.history = state.history + [{**vars(metrics), "samples": state.samples,
                                               "sizes": list(state.sizes)}]
             if hvd.rank() == 0:
                 log.info("epoch %d: %d samples at sizes %s | test acc %.4f", state.epoch + 1,
                          state.samples, state.sizes, test_acc)
-                checkpoint.save(out, model.get_weights(), [v.numpy() for v in optimizer.variables],
+                checkpoint.save(out, model.get_weights(),
+                                [ops.convert_to_numpy(v) for v in optimizer.variables],
                                 {"epoch": state.epoch + 1, "step": 0, "size": hvd.size(),
                                  "global_batch": cfg.global_batch(hvd.size()),
                                  "config": cfg.to_dict(), "rng": runtime.python_numpy_rng_state(),

@@ -1,17 +1,18 @@
-"""Small Keras models for the bundled datasets (the same architecture as hvdtrain.torch.models)."""
+"""Small Keras 3 models for the bundled datasets (the same architecture as hvdtrain.torch.models),
+for either Keras backend."""
 from __future__ import annotations
 
-import tensorflow as tf
+import keras
 
 
 def build_model(num_classes: int = 10, image_size: int = 8,
-                batchnorm: bool = False) -> tf.keras.Model:
+                batchnorm: bool = False) -> keras.Model:
     """The CNN of :class:`hvdtrain.torch.models.DigitsCNN`, channels-last: input
     ``(B, S, S, 1)``, output logits ``(B, num_classes)`` in float32 whatever the global
     mixed-precision policy (Keras's advice: keep the outputs that feed the loss in float32).
     ``batchnorm``: ``BatchNormalization`` after each convolution. Built (weights exist) on
     return."""
-    layers = tf.keras.layers
+    layers = keras.layers
 
     def conv(filters):
         if not batchnorm:
@@ -19,7 +20,7 @@ def build_model(num_classes: int = 10, image_size: int = 8,
         return [layers.Conv2D(filters, 3, padding="same"), layers.BatchNormalization(),
                 layers.Activation("relu")]
 
-    model = tf.keras.Sequential([
+    model = keras.Sequential([
         *conv(16), *conv(32),
         layers.MaxPool2D(2),
         layers.Flatten(),
@@ -31,14 +32,14 @@ def build_model(num_classes: int = 10, image_size: int = 8,
     return model
 
 
-def bench_model(name: str, num_classes: int = 10, image_size: int = 32) -> tf.keras.Model:
+def bench_model(name: str, num_classes: int = 10, image_size: int = 32) -> keras.Model:
     """The benchmark models of :func:`hvdtrain.torch.models.bench_model`, channels-last input
     ``(B, S, S, 3)``; built on return.
 
     Raises:
         ValueError: unknown ``name``.
     """
-    layers = tf.keras.layers
+    layers = keras.layers
     if name == "cnn":
         body = [layers.Conv2D(32, 3, padding="same", activation="relu"),
                 layers.Conv2D(64, 3, padding="same", activation="relu"), layers.MaxPool2D(2),
@@ -49,6 +50,6 @@ def bench_model(name: str, num_classes: int = 10, image_size: int = 32) -> tf.ke
                 layers.Dense(2048, activation="relu"), layers.Dense(num_classes)]
     else:
         raise ValueError(f"unknown benchmark model {name!r}; use cnn or dense")
-    model = tf.keras.Sequential(body, name=f"bench_{name}")
+    model = keras.Sequential(body, name=f"bench_{name}")
     model.build((None, image_size, image_size, 3))
     return model

@@ -1,8 +1,11 @@
-"""``hvdtrain train --framework keras``: ``model.fit`` on top of :mod:`hvdtrain.keras.adapter`.
+"""``hvdtrain train --framework keras``: Keras 3 ``model.fit`` on top of
+:mod:`hvdtrain.keras.adapter`, on the TensorFlow or the PyTorch backend (``--keras-backend`` or
+``KERAS_BACKEND``).
 
 Launch::
 
     horovodrun -np 2 hvdtrain train --framework keras --dataset digits
+    horovodrun -np 2 hvdtrain train --framework keras --keras-backend torch --dataset digits
     mpirun -np 2 -bind-to none -map-by slot -x PATH hvdtrain train --framework keras
 """
 from __future__ import annotations
@@ -12,25 +15,25 @@ import time
 from pathlib import Path
 
 import horovod
-import horovod.tensorflow as hvd_tf
+import keras
 import numpy as np
-import tensorflow as tf
+from keras import ops
 
 from hvdtrain import data, runtime
 from hvdtrain.config import TrainConfig
 from hvdtrain.files import CheckpointError, atomic_path
-from hvdtrain.keras import adapter, checkpoint
+from hvdtrain.keras import _backend, adapter, checkpoint
 from hvdtrain.keras.models import build_model
 from hvdtrain.report import EpochMetrics, RunReport, run_header, setup_logging
 
 WEIGHTS_FILE = "checkpoint.weights.h5"
-# --precision -> Keras mixed-precision policy. fp16 (Keras's LossScaleOptimizer around Horovod's
-# Keras 2 optimizer) is refused by TrainConfig.validate for now.
+# --precision -> Keras mixed-precision policy. fp16 (a LossScaleOptimizer) is refused by
+# TrainConfig.validate for now.
 PRECISION_POLICIES = {"fp32": "float32", "bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
 log = logging.getLogger("hvdtrain")
 
 
-def save_weights(path: str | Path, model: tf.keras.Model) -> None:
+def save_weights(path: str | Path, model: keras.Model) -> None:
     """Write the model's weights (HDF5, for ``model.load_weights``) atomically: temp file, fsync,
     rename. Rank 0 only. (``--resume`` reads :mod:`hvdtrain.keras.checkpoint` instead, which
     also holds the optimizer state.)"""
@@ -49,37 +52,45 @@ class TrainLoss:
     - carries out ``--fault-nan-at RANK:STEP``: that rank's loss is NaN in optimizer step STEP.
     """
 
-    def __init__(self, optimizer, k: int, rank: int, fault: tuple[int, int] | None):
-        self.base = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-        self.optimizer, self.k = optimizer, k
+    def __init__(self, optimizer, rank: int, fault: tuple[int, int] | None):
+        self.base = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        self.optimizer = optimizer
         self.fault_step = fault[1] if fault and fault[0] == rank else None
-        self.loss_sum = tf.Variable(0.0, dtype=tf.float64, trainable=False)
-        self.samples = tf.Variable(0.0, dtype=tf.float64, trainable=False)
+        self.loss_sum = keras.Variable(0.0, dtype="float64", trainable=False, name="loss_sum")
+        self.samples = keras.Variable(0.0, dtype="float64", trainable=False, name="samples")
         self.__name__ = "sparse_categorical_crossentropy"
 
     def __call__(self, y_true, y_pred):
         loss = self.base(y_true, y_pred)
         if self.fault_step is not None:
-            hit = tf.equal(self.optimizer.iterations // self.k, self.fault_step)
-            # A factor, not tf.where(hit, loss * nan, loss): that one's gradient is NaN always.
-            loss = loss * tf.where(hit, float("nan"), 1.0)
-        finite = tf.math.is_finite(loss)
-        n = tf.cast(tf.shape(y_true)[0], tf.float64)
-        self.loss_sum.assign_add(tf.where(finite, tf.cast(loss, tf.float64) * n, 0.0))
-        self.samples.assign_add(tf.where(finite, n, 0.0))
+            # optimizer.iterations counts optimizer steps (Keras 3, also with accumulation).
+            hit = ops.equal(self.optimizer.iterations, self.fault_step)
+            # A factor, not where(hit, loss * nan, loss): that one's gradient is NaN always.
+            loss = loss * ops.where(hit, float("nan"), 1.0)
+        value = ops.cast(ops.stop_gradient(loss), "float64")
+        finite = ops.isfinite(value)
+        n = ops.cast(ops.shape(y_true)[0], "float64")
+        self.loss_sum.assign(self.loss_sum + ops.where(finite, value * n, 0.0))
+        self.samples.assign(self.samples + ops.where(finite, n, 0.0))
         return loss
 
     def reset(self) -> None:
         self.loss_sum.assign(0.0)
         self.samples.assign(0.0)
 
+    def totals(self) -> tuple[float, float]:
+        """``(loss_sum, samples)`` of this rank since :meth:`reset`."""
+        return (float(ops.convert_to_numpy(self.loss_sum)),
+                float(ops.convert_to_numpy(self.samples)))
+
 
 def _resume(cfg: TrainConfig, info, model, optimizer) -> dict:
-    """On rank 0, load the checkpoint into ``model``/``optimizer`` (before :func:`distribute`
-    broadcasts them) and share its record with every rank.
+    """Load the checkpoint into the distributed ``model``/``optimizer`` on rank 0, broadcast them
+    to every rank, and share the checkpoint's record.
 
-    The optimizer's learning rate is the base ``--lr`` (``distribute`` scales it for this run's
-    world size, which may differ from the checkpoint's).
+    The learning rate is not in the checkpoint's optimizer variables (it is the distributed
+    optimizer's schedule, made from this run's ``--lr`` and world size, which may differ from the
+    checkpoint's).
 
     Raises:
         SystemExit: no usable checkpoint, or one made for another model (on every rank, so none
@@ -89,21 +100,27 @@ def _resume(cfg: TrainConfig, info, model, optimizer) -> dict:
     if info.is_root:
         try:
             payload = checkpoint.load(cfg.output_dir)
+            weights = model.get_weights()
+            if [w.shape for w in weights] != [np.shape(w) for w in payload["model"]]:
+                raise ValueError("the checkpoint's weights do not fit this model (another "
+                                 "--dataset or --batchnorm?)")
             model.set_weights(payload["model"])
-            optimizer.build(model.trainable_variables)
-            if len(payload["optimizer"]) != len(optimizer.variables):
+            variables = optimizer.variables
+            if len(payload["optimizer"]) != len(variables):
                 raise ValueError(f"the checkpoint holds {len(payload['optimizer'])} optimizer "
-                                 f"variables, this optimizer has {len(optimizer.variables)}")
-            for var, value in zip(optimizer.variables, payload["optimizer"]):
+                                 f"variables, this optimizer has {len(variables)} (another "
+                                 "--backward-passes-per-step?)")
+            for var, value in zip(variables, payload["optimizer"]):
                 var.assign(value)
             record = payload["record"]
             runtime.set_python_numpy_rng_state(record["rng"])
             meta = {k: record[k] for k in ("epoch", "step", "size", "global_batch", "metrics")}
         except (CheckpointError, ValueError) as exc:
             meta = {"error": str(exc)}
-    meta = hvd_tf.broadcast_object(meta, root_rank=0, name="hvdtrain.resume")
+    meta = _backend.broadcast_object(meta, root_rank=0, name="hvdtrain.resume")
     if "error" in meta:
         raise SystemExit(f"hvdtrain: error: --resume: {meta['error']}")
+    adapter.broadcast_state(model, optimizer)
     return meta
 
 
@@ -115,64 +132,78 @@ def load_nhwc(cfg: TrainConfig) -> tuple[data.Split, np.ndarray, np.ndarray]:
     return split, split.x_train.transpose(0, 2, 3, 1), split.x_test.transpose(0, 2, 3, 1)
 
 
-def evaluate(model: tf.keras.Model, x: np.ndarray, y: np.ndarray, rank: int, size: int,
+def evaluate(model: keras.Model, x: np.ndarray, y: np.ndarray, rank: int, size: int,
              batch_size: int = 256) -> tuple[float, float]:
     """Mean loss and accuracy over ``(x, y)`` (``(N, S, S, 1)``, ``(N,)``) on all ranks together:
-    each rank scores an unpadded shard and the sums are all-reduced. Same on every rank."""
+    each rank scores an unpadded shard (cross-entropy of the logits in float64) and the sums are
+    all-reduced. Same on every rank."""
     idx = data.shard_indices(len(x), rank, size)
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
     loss_sum, correct = 0.0, 0
     for start in range(0, len(idx), batch_size):
         chunk = idx[start:start + batch_size]
-        logits = model(x[chunk], training=False)
-        loss_sum += float(loss_fn(y[chunk], logits))
+        logits = np.asarray(ops.convert_to_numpy(model(x[chunk], training=False)), np.float64)
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        loss_sum += float(-log_probs[np.arange(len(chunk)), y[chunk]].sum())
         correct += int((np.argmax(logits, axis=1) == y[chunk]).sum())
     totals = adapter.allreduce_sums({"loss": loss_sum, "correct": correct, "n": len(idx)},
                                     name="hvdtrain.eval")
     return totals["loss"] / totals["n"], totals["correct"] / totals["n"]
 
 
-class _EpochEnd(tf.keras.callbacks.Callback):
+class _EpochEnd(keras.callbacks.Callback):
     """After each epoch (logs already averaged over ranks): evaluate, checkpoint, report."""
 
     def __init__(self, trainer_state: dict):
         super().__init__()
         self.s = trainer_state
 
+    def _skipped(self) -> int:
+        guard = self.s["guard"]
+        return int(ops.convert_to_numpy(guard.skipped)) if guard is not None else 0
+
     def on_epoch_begin(self, epoch, logs=None):
         self.s["loss"].reset()
         self.start = time.perf_counter()
-        self.iterations = int(self.model.optimizer.iterations.numpy())
-        self.lr = self.s["warmup"].lr_at(self.iterations // self.s["k"])
+        self.steps = int(ops.convert_to_numpy(self.s["optimizer"].iterations))
+        self.skipped = self._skipped()
+        self.lr = self.s["warmup"].lr_at(self.steps)
 
     def on_epoch_end(self, epoch, logs=None):
         s = self.s
-        info, optimizer = s["info"], self.model.optimizer
+        info, optimizer = s["info"], s["optimizer"]
+        loss_sum, n = s["loss"].totals()
         totals = adapter.allreduce_sums({"seconds": time.perf_counter() - self.start,
-                                         "loss": float(s["loss"].loss_sum.numpy()),
-                                         "n": float(s["loss"].samples.numpy())},
-                                        name="hvdtrain.train")
+                                         "loss": loss_sum, "n": n}, name="hvdtrain.train")
         seconds = totals["seconds"] / info.size  # mean wall time over ranks
         test_loss, test_acc = evaluate(self.model, s["x_test"], s["y_test"], info.rank, info.size)
-        iterations = int(optimizer.iterations.numpy())
-        micro = iterations - self.iterations
-        samples = micro * s["batch_size"] * info.size
-        skipped = int(s["guard"].skipped.numpy()) if s["guard"] is not None else 0
-        steps = micro // s["k"] - (skipped - s["report"].header["skipped_steps"])
+        steps_now = int(ops.convert_to_numpy(optimizer.iterations))
+        samples = (steps_now - self.steps) * s["k"] * s["batch_size"] * info.size
+        skipped = self._skipped()
+        steps = steps_now - self.steps - (skipped - self.skipped)
         s["report"].header["skipped_steps"] = skipped
         metrics = EpochMetrics(epoch + 1, totals["loss"] / max(totals["n"], 1.0),
                                float(logs["accuracy"]), test_loss, test_acc, self.lr, steps,
                                seconds, samples / seconds)
         if info.is_root:
             checkpoint.save(s["out"], self.model.get_weights(),
-                            [v.numpy() for v in optimizer.variables],
-                            {"epoch": epoch + 1, "step": iterations // s["k"], "size": info.size,
+                            [ops.convert_to_numpy(v) for v in optimizer.variables],
+                            {"epoch": epoch + 1, "step": steps_now, "size": info.size,
                              "global_batch": s["cfg"].global_batch(info.size),
                              "config": s["cfg"].to_dict(),
                              "rng": runtime.python_numpy_rng_state(),
                              "metrics": [vars(e) for e in s["report"].epochs + [metrics]]})
             save_weights(s["out"] / WEIGHTS_FILE, self.model)
         s["report"].add(metrics)
+
+
+def _framework_version() -> str:
+    """The version of the framework under the Keras backend in use."""
+    if adapter.backend() == "torch":
+        import torch
+        return torch.__version__
+    import tensorflow as tf
+    return tf.__version__
 
 
 def fit(cfg: TrainConfig) -> dict:
@@ -206,12 +237,12 @@ def fit(cfg: TrainConfig) -> dict:
     except ValueError as exc:
         raise SystemExit(f"hvdtrain: error: --device {cfg.device}: {exc}") from None
     setup_logging(info.rank)
-    policy = tf.keras.mixed_precision.global_policy()
-    tf.keras.mixed_precision.set_global_policy(PRECISION_POLICIES[cfg.precision])
+    policy = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy(PRECISION_POLICIES[cfg.precision])
     try:
         return _fit(cfg, info)
     finally:
-        tf.keras.mixed_precision.set_global_policy(policy)
+        keras.mixed_precision.set_global_policy(policy)
 
 
 def _fit(cfg: TrainConfig, info) -> dict:
@@ -222,22 +253,27 @@ def _fit(cfg: TrainConfig, info) -> dict:
     steps_per_epoch = micro_per_epoch // k
 
     model = build_model(split.num_classes, x_train.shape[1], batchnorm=cfg.batchnorm)
-    optimizer = tf.keras.optimizers.SGD(learning_rate=cfg.lr, momentum=cfg.momentum)
-    resumed = _resume(cfg, info, model, optimizer) if cfg.resume else None
+    optimizer = keras.optimizers.SGD(learning_rate=cfg.lr, momentum=cfg.momentum)
     model, optimizer = adapter.distribute(model, optimizer, backward_passes_per_step=k,
                                           lr_scaling=cfg.lr_scaling, compression=cfg.compression,
                                           op=cfg.op, on_nonfinite=cfg.on_nonfinite)
+    resumed = _resume(cfg, info, model, optimizer) if cfg.resume else None
     start_epoch = resumed["epoch"] if resumed else 0
     # The schedule position and the data stream at this run's world size (the same as the
-    # checkpoint's when the size did not change).
-    optimizer.iterations.assign(start_epoch * micro_per_epoch)
+    # checkpoint's when the size did not change): the stream starts there, nothing is replayed.
+    adapter.set_micro_batch_count(optimizer, start_epoch * micro_per_epoch)
     dataset = adapter.shard_dataset(x_train, split.y_train, batch_size=cfg.batch_size,
-                                    seed=cfg.seed, info=info).skip(start_epoch * micro_per_epoch)
-    train_loss = TrainLoss(optimizer, k, info.rank, cfg.fault())
-    model.compile(optimizer=optimizer, loss=train_loss, metrics=["accuracy"])
+                                    seed=cfg.seed, info=info, backward_passes_per_step=k,
+                                    start_batch=start_epoch * micro_per_epoch)
+    train_loss = TrainLoss(optimizer, info.rank, cfg.fault())
+    # No XLA: Horovod's operations have no XLA kernels.
+    model.compile(optimizer=optimizer, loss=train_loss, metrics=["accuracy"], jit_compile=False)
     out = Path(cfg.output_dir)
+    framework_version = {"tensorflow": "tensorflow", "torch": "torch"}[adapter.backend()]
     header = run_header("keras", cfg, info, len(x_train), len(x_test), steps_per_epoch,
-                        {"tensorflow": tf.__version__, "horovod": horovod.__version__})
+                        {"keras": keras.__version__, "keras_backend": adapter.backend(),
+                         framework_version: _framework_version(),
+                         "horovod": horovod.__version__})
     header["resumed_from"] = ({k2: resumed[k2] for k2 in ("epoch", "size", "global_batch")}
                               if resumed else None)
     header["skipped_steps"] = 0
@@ -251,14 +287,14 @@ def _fit(cfg: TrainConfig, info) -> dict:
                                   steps_per_epoch=steps_per_epoch)
     state = {"info": info, "x_test": x_test, "y_test": split.y_test, "out": out, "k": k,
              "batch_size": cfg.batch_size, "report": report, "warmup": callbacks[-1],
-             "loss": train_loss, "cfg": cfg, "guard": getattr(optimizer, "hvdtrain_nonfinite",
-                                                              None)}
+             "loss": train_loss, "cfg": cfg, "optimizer": optimizer,
+             "guard": getattr(optimizer, "hvdtrain_nonfinite", None)}
     model.fit(dataset, initial_epoch=start_epoch, epochs=cfg.epochs,
               steps_per_epoch=micro_per_epoch, callbacks=[*callbacks, _EpochEnd(state)],
               verbose=1 if (info.is_root and cfg.progress) else 0)
     # Every rank must hold the same weights; a divergence would be a bug worth knowing about.
     checksum = float(sum(np.asarray(w, dtype=np.float64).sum() for w in model.get_weights()))
-    report.header["ranks_agree"] = len(set(hvd_tf.allgather_object(checksum))) == 1
+    report.header["ranks_agree"] = len(set(_backend.allgather_object(checksum))) == 1
     if info.is_root:
         report.write()
     return report.to_dict()

@@ -39,13 +39,25 @@ def mpirun(np_: int, *command: str) -> list[str]:
             "-x", "PATH", "-x", "OMPI_MCA_mpi_yield_when_idle", *command]
 
 
-def run(argv: list[str], timeout: int = TIMEOUT, check: bool = True) -> subprocess.CompletedProcess:
-    """Run a job; on failure show its output (so CI logs say why)."""
-    proc = subprocess.run(argv, env=job_env(), capture_output=True, text=True, timeout=timeout)
+def run(argv: list[str], timeout: int = TIMEOUT, check: bool = True,
+        env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a job (``env``: variables to set on top of :func:`job_env`); on failure show its
+    output (so CI logs say why)."""
+    proc = subprocess.run(argv, env={**job_env(), **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
     if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(argv)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                     f"\n--- stderr\n{proc.stderr[-4000:]}")
     return proc
+
+
+# Keras 3 backends the Keras adapter's tests run on (KERAS_BACKEND of the launched job).
+KERAS_BACKENDS = ("tensorflow", "torch")
+
+
+def keras_env(backend: str) -> dict:
+    """The variables that make a launched job's Keras run on ``backend``."""
+    return {"KERAS_BACKEND": backend}
 
 
 def script(name: str) -> list[str]:

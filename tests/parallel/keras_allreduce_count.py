@@ -13,42 +13,44 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ["HOROVOD_TIMELINE"] = "DYNAMIC"  # allow start_timeline/stop_timeline
 
-import horovod.tensorflow as hvd_tf  # noqa: E402
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras  # noqa: E402
 
 import hvdtrain.keras as hk  # noqa: E402
+from hvdtrain.keras._backend import hvd  # noqa: E402
 from hvdtrain.timeline import count_ops, load_events  # noqa: E402
 from hvdtrain.keras.models import build_model  # noqa: E402
 
 
 
-class Timeline(tf.keras.callbacks.Callback):
+class Timeline(keras.callbacks.Callback):
     def __init__(self, path):
         super().__init__()
         self.path = path
 
     def on_epoch_begin(self, epoch, logs=None):
-        hvd_tf.start_timeline(self.path, mark_cycles=False)
+        hvd.start_timeline(self.path, mark_cycles=False)
 
     def on_epoch_end(self, epoch, logs=None):
-        hvd_tf.stop_timeline()
+        hvd.stop_timeline()
 
 
 def one_epoch(k: int, info, micro_batches: int, batch_size: int, timeline: str) -> dict:
     model = build_model()
-    model, optimizer = hk.distribute(model, tf.keras.optimizers.SGD(0.01, momentum=0.9),
+    model, optimizer = hk.distribute(model, keras.optimizers.SGD(0.01, momentum=0.9),
                                      backward_passes_per_step=k)
     model.compile(optimizer=optimizer,
-                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=False)
     samples = micro_batches * batch_size * info.size
     rng = np.random.default_rng(0)
     x = rng.standard_normal((samples, 8, 8, 1)).astype(np.float32)
     y = rng.integers(0, 10, samples)
-    model.fit(hk.shard_dataset(x, y, batch_size=batch_size, info=info), epochs=1,
+    model.fit(hk.shard_dataset(x, y, batch_size=batch_size, info=info,
+                               backward_passes_per_step=k), epochs=1,
               steps_per_epoch=micro_batches, verbose=0, callbacks=[Timeline(timeline)])
     count = count_ops(load_events(timeline)) if info.rank == 0 else None
-    return {"timeline_allreduces": count, "micro_batches": int(optimizer.iterations.numpy()),
+    return {"timeline_allreduces": count, "micro_batches": hk.micro_batch_count(optimizer),
             "parameters": len(model.trainable_variables)}
 
 

@@ -15,12 +15,12 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras  # noqa: E402
 
 from hvdtrain.keras.models import build_model  # noqa: E402
 
 SEED, BASE_LR, MOMENTUM = 7, 0.05, 0.9
-LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
 def dataset(n: int):
@@ -33,29 +33,29 @@ def flat(model) -> np.ndarray:
     return np.concatenate([w.reshape(-1) for w in model.get_weights()])
 
 
-class CountSteps(tf.keras.callbacks.Callback):
+class CountSteps(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
-        self.micro_batches = int(self.model.optimizer.iterations.numpy())
+        self.micro_batches = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
 
 
 def parallel(args) -> None:
-    import horovod.tensorflow as hvd_tf
-
     import hvdtrain.keras as hk
+    from hvdtrain.keras._backend import allgather_object
 
     info = hk.init(seed=SEED, threads=1)
     model = build_model()
-    optimizer = tf.keras.optimizers.SGD(BASE_LR, momentum=MOMENTUM)
+    optimizer = keras.optimizers.SGD(BASE_LR, momentum=MOMENTUM)
     model, optimizer = hk.distribute(model, optimizer, backward_passes_per_step=args.k,
                                      lr_scaling="linear")
-    model.compile(optimizer=optimizer, loss=LOSS)
+    model.compile(optimizer=optimizer, loss=LOSS, jit_compile=False)
     x, y = dataset(args.samples)
     micro = hk.micro_batches_per_epoch(len(x), args.batch_size, info.size, args.k)
     data = hk.shard_dataset(x, y, batch_size=args.batch_size, shuffle=False, info=info)
     counter = CountSteps()
     model.fit(data, epochs=args.epochs, steps_per_epoch=micro, verbose=0,
               callbacks=[counter])
-    weights = hvd_tf.allgather_object(flat(model))
+    counter.micro_batches *= args.k  # Keras 3: optimizer.iterations counts optimizer steps
+    weights = allgather_object(flat(model))
     if info.rank == 0:
         spread = max(float(np.abs(w - weights[0]).max()) for w in weights)
         np.savez(args.out, weights=weights[0], steps=counter.micro_batches // args.k,
@@ -63,11 +63,17 @@ def parallel(args) -> None:
 
 
 def reference(args) -> None:
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.keras.utils.set_random_seed(SEED)
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+    else:
+        import torch
+        torch.set_num_threads(1)
+    keras.utils.set_random_seed(SEED)
     model = build_model()
     n = args.world_size * args.k
-    model.compile(optimizer=tf.keras.optimizers.SGD(BASE_LR * n, momentum=MOMENTUM), loss=LOSS)
+    model.compile(optimizer=keras.optimizers.SGD(BASE_LR * n, momentum=MOMENTUM), loss=LOSS,
+                  jit_compile=False)
     x, y = dataset(args.samples)
     counter = CountSteps()
     model.fit(x, y, batch_size=args.batch_size * n, epochs=args.epochs, shuffle=False, verbose=0,

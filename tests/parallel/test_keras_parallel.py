@@ -1,19 +1,24 @@
-"""Real `horovodrun -np 2` / `mpirun -np 2` runs of the Keras adapter and `hvdtrain train`."""
+"""Real `horovodrun -np 2` / `mpirun -np 2` runs of the Keras 3 adapter and `hvdtrain train`, on
+both Keras backends (KERAS_BACKEND=tensorflow and torch) where the test is about the adapter."""
 import json
 
 import numpy as np
 import pytest
 
 from hvdtrain import schedule
-from jobs import horovodrun, mpirun, run, script
+from jobs import KERAS_BACKENDS, horovodrun, keras_env, mpirun, run, script
+
+BACKENDS = pytest.mark.parametrize("backend", KERAS_BACKENDS)
 
 
-def test_np2_k2_equals_single_process_global_batch(tmp_path):
+@BACKENDS
+def test_np2_k2_equals_single_process_global_batch(tmp_path, backend):
     par, ref = tmp_path / "par.npz", tmp_path / "ref.npz"
     args = ["--samples", "384", "--batch-size", "8", "-k", "2", "--epochs", "2"]
-    run(horovodrun(2, *script("keras_equivalence.py"), "--out", str(par), *args))
+    run(horovodrun(2, *script("keras_equivalence.py"), "--out", str(par), *args),
+        env=keras_env(backend))
     run(script("keras_equivalence.py") + ["--reference", "--world-size", "2", "--out", str(ref),
-                                          *args])
+                                          *args], env=keras_env(backend))
     par, ref = np.load(par), np.load(ref)
     assert int(par["size"]) == 2
     assert int(par["steps"]) == int(ref["steps"]) == 24
@@ -22,9 +27,10 @@ def test_np2_k2_equals_single_process_global_batch(tmp_path):
     assert diff <= 1e-5, f"max |w_parallel - w_reference| = {diff}"
 
 
-def test_broadcast_before_the_first_step(tmp_path):
+@BACKENDS
+def test_broadcast_before_the_first_step(tmp_path, backend):
     out = tmp_path / "b.json"
-    run(horovodrun(2, *script("keras_broadcast.py"), "--out", str(out)))
+    run(horovodrun(2, *script("keras_broadcast.py"), "--out", str(out)), env=keras_env(backend))
     r = json.loads(out.read_text())
     assert r["size"] == 2
     assert any("moving_mean" in k for k in r["keys"]) and any("iteration" in k for k in r["keys"])
@@ -37,9 +43,10 @@ def test_broadcast_before_the_first_step(tmp_path):
     assert len({i["seed"] for i in r["rank_info"]}) == 2
 
 
-def test_warmup_lr_read_from_the_optimizer_follows_schedule(tmp_path):
+@BACKENDS
+def test_warmup_lr_read_from_the_optimizer_follows_schedule(tmp_path, backend):
     out = tmp_path / "lr.json"
-    run(horovodrun(2, *script("keras_warmup.py"), "--out", str(out)))
+    run(horovodrun(2, *script("keras_warmup.py"), "--out", str(out)), env=keras_env(backend))
     r = json.loads(out.read_text())
     k, size = r["k"], r["size"]
     for name in ("sgd_momentum", "adam"):
@@ -55,24 +62,27 @@ def test_warmup_lr_read_from_the_optimizer_follows_schedule(tmp_path):
         assert lrs[-1] == pytest.approx(r["base_lr"][name] * size * k, rel=1e-6)
 
 
-def test_k4_runs_a_quarter_of_the_allreduces_of_k1(tmp_path):
+@BACKENDS
+def test_k4_runs_a_quarter_of_the_allreduces_of_k1(tmp_path, backend):
     out = tmp_path / "c.json"
-    run(horovodrun(2, *script("keras_allreduce_count.py"), "--out", str(out)))
+    run(horovodrun(2, *script("keras_allreduce_count.py"), "--out", str(out)), env=keras_env(backend))
     c = json.loads(out.read_text())
     assert c["k1"]["micro_batches"] == c["k4"]["micro_batches"] == 32
     assert c["k1"]["timeline_allreduces"] == c["k1"]["parameters"] * 32
     assert c["k4"]["timeline_allreduces"] * 4 == c["k1"]["timeline_allreduces"]
 
 
-def check_keras_job(out_dir, size=2):
+def check_keras_job(out_dir, size=2, backend="tensorflow"):
     m = json.loads((out_dir / "metrics.json").read_text())
     assert m["framework"] == "keras" and m["size"] == size
+    assert m["versions"]["keras"].startswith("3.") and m["versions"]["keras_backend"] == backend
+    assert m["ranks_agree"] is True
     assert m["global_batch"] == m["local_batch"] * size * m["backward_passes_per_step"]
     assert len(m["epochs"]) == m["config"]["epochs"]
     assert m["final_test_accuracy"] >= 0.95, m["epochs"][-1]
     assert (out_dir / "checkpoint.weights.h5").stat().st_size > 0
     # Rebuild the model from the checkpoint and score the held-out split single-process.
-    import tensorflow as tf
+    import keras
 
     from hvdtrain import data
     from hvdtrain.keras.models import build_model
@@ -80,15 +90,16 @@ def check_keras_job(out_dir, size=2):
     model = build_model()
     model.load_weights(str(out_dir / "checkpoint.weights.h5"))
     logits = model(split.x_test.transpose(0, 2, 3, 1), training=False)
-    acc = float((tf.argmax(logits, axis=1).numpy() == split.y_test).mean())
+    acc = float((keras.ops.convert_to_numpy(logits).argmax(axis=1) == split.y_test).mean())
     assert acc == pytest.approx(m["final_test_accuracy"])
     return m
 
 
-def test_keras_main_job_under_horovodrun_reaches_95_percent(tmp_path):
-    run(horovodrun(2, "hvdtrain", "train", "--framework", "keras", "--dataset", "digits",
-                   "--output-dir", str(tmp_path), "--no-progress"))
-    check_keras_job(tmp_path)
+@BACKENDS
+def test_keras_main_job_under_horovodrun_reaches_95_percent(tmp_path, backend):
+    run(horovodrun(2, "hvdtrain", "train", "--framework", "keras", "--keras-backend", backend,
+                   "--dataset", "digits", "--output-dir", str(tmp_path), "--no-progress"))
+    check_keras_job(tmp_path, backend=backend)
 
 
 def test_keras_main_job_under_mpirun_with_accumulation(tmp_path):

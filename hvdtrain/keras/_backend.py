@@ -1,0 +1,95 @@
+"""Horovod's collectives for the Keras 3 backend in use: ``horovod.tensorflow`` under
+``KERAS_BACKEND=tensorflow`` (the default), ``horovod.torch`` under ``KERAS_BACKEND=torch``.
+
+Keras 3 picks its backend once, at ``import keras``; each Horovod framework module loads its own
+copy of Horovod's core, so one process uses exactly one of them. Everything here takes and
+returns the backend's native tensors (``tf.Tensor`` / ``torch.Tensor``) or NumPy arrays, so the
+adapter above it is the same code for both backends.
+"""
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+NAME = keras.backend.backend()
+BACKENDS = ("tensorflow", "torch")
+if NAME == "tensorflow":
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+elif NAME == "torch":
+    import horovod.torch as hvd
+    import torch
+else:  # pragma: no cover - depends on the environment
+    raise ImportError(f"hvdtrain.keras runs on Keras's tensorflow and torch backends; "
+                      f"KERAS_BACKEND is {NAME!r}: set KERAS_BACKEND=tensorflow or torch")
+
+COMPRESSIONS = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
+
+
+def native(value):
+    """The backend tensor behind a Keras variable or tensor, dense and detached from autograd
+    (a ``tf.IndexedSlices`` gradient, e.g. an ``Embedding``'s, becomes a dense tensor: Horovod's
+    ``sparse_as_dense``)."""
+    if isinstance(value, keras.Variable):
+        value = value.value
+    if NAME == "tensorflow":
+        return tf.convert_to_tensor(value)
+    return value.detach().contiguous() if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+
+
+def grouped_average(tensors: list, compression: str = "none",
+                    gradient_predivide_factor: float = 1.0, name: str | None = None) -> list:
+    """The mean over ranks of each tensor, in one grouped all-reduce (Horovod fuses the group
+    into one ring operation); works inside a compiled TensorFlow step.
+
+    Args:
+        tensors: native tensors, the same shapes and dtypes on every rank.
+        compression: ``"none"`` or ``"fp16"`` (sent as float16, returned in the input dtype).
+        gradient_predivide_factor: divide by this before the sum and by ``size / factor`` after
+            (Horovod's DistributedOptimizer option; 1.0: a plain average).
+
+    Returns:
+        The averaged tensors, in order.
+    """
+    if not tensors:
+        return []
+    scaling = {}
+    op = hvd.Average
+    if gradient_predivide_factor != 1.0:
+        op = hvd.Sum
+        scaling = {"prescale_factor": 1.0 / gradient_predivide_factor,
+                   "postscale_factor": gradient_predivide_factor / hvd.size()}
+    return list(hvd.grouped_allreduce(list(tensors), op=op, compression=COMPRESSIONS[compression],
+                                      name=name, **scaling))
+
+
+def allreduce_numpy(values: np.ndarray, op: str, name: str) -> np.ndarray:
+    """``values`` (any shape) reduced over ranks with ``op`` (``"sum"``, ``"min"``, ``"max"``),
+    in their own dtype, eagerly."""
+    hop = {"sum": hvd.Sum, "min": hvd.Min, "max": hvd.Max}[op]
+    if NAME == "tensorflow":
+        return hvd.allreduce(tf.constant(values), op=hop, name=name).numpy()
+    return hvd.allreduce(torch.from_numpy(np.ascontiguousarray(values)), op=hop,
+                         name=name).numpy()
+
+
+def broadcast_variables(variables: list, root_rank: int, name: str) -> None:
+    """Assign every Keras variable ``root_rank``'s value of it, eagerly (one broadcast per
+    variable, in order; every rank passes the same list)."""
+    for i, var in enumerate(variables):
+        value = native(var)
+        if NAME == "tensorflow":
+            out = hvd.broadcast(value, root_rank, name=f"{name}.{i}")
+        else:
+            out = hvd.broadcast(value, root_rank, name=f"{name}.{i}")
+        var.assign(out)
+
+
+def broadcast_object(obj, root_rank: int = 0, name: str | None = None):
+    """Horovod's ``broadcast_object`` (pickled) for this backend."""
+    return hvd.broadcast_object(obj, root_rank=root_rank, name=name)
+
+
+def allgather_object(obj, name: str | None = None) -> list:
+    """Horovod's ``allgather_object`` (a list with every rank's object, in rank order)."""
+    return hvd.allgather_object(obj, name=name)
