@@ -21,16 +21,23 @@ import common
 
 
 def synthetic(framework: str, mode: str, args, threads: int | None = None) -> list[str]:
-    return [sys.executable, str(common.HERE / "synthetic.py"), "--framework", framework,
+    return [sys.executable, str(common.HERE / "synthetic.py"), "--framework",
+            "keras" if framework.startswith("keras") else framework,
             "--model", args.model, "--mode", mode, "--batch-size", str(args.batch_size),
             "--num-warmup-batches", str(args.warmup), "--num-batches-per-iter",
             str(args.batches), "--num-iters", str(args.iters),
             *(["--threads", str(threads)] if threads else [])]
 
 
+# The Keras 3 backend of each --frameworks entry (the launched jobs' KERAS_BACKEND).
+KERAS_BACKEND = {"keras": {"KERAS_BACKEND": "tensorflow"}, "keras-torch": {"KERAS_BACKEND": "torch"}}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--frameworks", default="torch,keras")
+    p.add_argument("--frameworks", default="torch,keras,keras-torch",
+                   help="torch, keras (Keras 3, TensorFlow backend), keras-torch (Keras 3, "
+                        "PyTorch backend)")
     p.add_argument("--nps", default="1,2,4")
     p.add_argument("--model", default="cnn")
     p.add_argument("--batch-size", type=int, default=32)
@@ -44,16 +51,17 @@ def main(argv=None) -> dict:
     rows, results = [], []
     nps = [int(n) for n in args.nps.split(",")]
     for framework in args.frameworks.split(","):
+        env = {**common.base_env(False), **KERAS_BACKEND.get(framework, {})}
         singles = {}
         for threads in sorted({max(1, cores // n) for n in nps} | {cores}):
             singles[threads] = common.median(
                 common.run_json(synthetic(framework, "single", args, threads),
-                                common.base_env(False))["total_img_sec"]
+                                env)["total_img_sec"]
                 for _ in range(args.repeats))
         for np_ in nps:
             total = common.median(
                 common.run_json(common.hvdtrain_launch(np_, synthetic(framework, "hvdtrain", args)),
-                                common.base_env(False))["total_img_sec"]
+                                env)["total_img_sec"]
                 for _ in range(args.repeats))
             threads = max(1, cores // np_)
             efficiency = total / (np_ * singles[threads])

@@ -101,74 +101,99 @@ def torch_setup(args):
 
 
 def keras_setup(args):
-    """Returns (step, rank, size, hvd module or None) for Keras."""
+    """Returns (step, rank, size, hvd module or None, steps) for Keras 3 (KERAS_BACKEND's backend).
+
+    ``steps(n)`` runs n optimizer steps (n x k micro-batches) in one ``model.fit`` call over an
+    endless in-memory dataset, the way Keras users train (a compiled step, no per-batch Python
+    round trip); ``step()`` is ``steps(1)``. There is no ``plain`` mode: Horovod's own Keras
+    layer is written for Keras 2 and does not run on Keras 3.
+    """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import tensorflow as tf
+    import keras
 
     from hvdtrain.keras.models import bench_model
 
     k = args.backward_passes_per_step
+    if args.mode == "plain":
+        raise SystemExit("--mode plain --framework keras: Horovod's Keras layer "
+                         "(horovod.tensorflow.keras) is written for Keras 2 and does not run on "
+                         "Keras 3; compare hvdtrain with --mode single")
     if args.mode == "single":
         rank, size, hvd = 0, 1, None
         if args.threads:
-            tf.config.threading.set_intra_op_parallelism_threads(args.threads)
-            tf.config.threading.set_inter_op_parallelism_threads(1)
-        tf.keras.utils.set_random_seed(0)
+            if keras.backend.backend() == "tensorflow":
+                import tensorflow as tf
+                tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+                tf.config.threading.set_inter_op_parallelism_threads(1)
+            else:
+                import torch
+                torch.set_num_threads(args.threads)
+        keras.utils.set_random_seed(0)
         model = bench_model(args.model, image_size=args.image_size)
-        optimizer = tf.keras.optimizers.SGD(0.01, momentum=0.9)
-    elif args.mode == "plain":
-        import horovod.tensorflow.keras as hvd
-        hvd.init()
-        rank, size = hvd.rank(), hvd.size()
-        model = bench_model(args.model, image_size=args.image_size)
-        optimizer = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.01 * size, momentum=0.9),
-                                             backward_passes_per_step=k,
-                                             average_aggregated_gradients=True)
+        optimizer = keras.optimizers.SGD(0.01, momentum=0.9,
+                                         gradient_accumulation_steps=k if k > 1 else None)
     else:
-        import horovod.tensorflow.keras as hvd
-
         import hvdtrain.keras as hk
+        from hvdtrain.keras._backend import hvd
         info = hk.init(seed=0)
         rank, size = info.rank, info.size
         model = bench_model(args.model, image_size=args.image_size)
-        model, optimizer = hk.distribute(model, tf.keras.optimizers.SGD(0.01, momentum=0.9),
+        model, optimizer = hk.distribute(model, keras.optimizers.SGD(0.01, momentum=0.9),
                                          backward_passes_per_step=k)
-    model.compile(optimizer=optimizer,
-                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    if args.mode == "plain":
-        # Horovod's examples broadcast with a callback at the first batch; do it explicitly.
-        import horovod.tensorflow as hvd_tf
-        optimizer.build(model.trainable_variables)
-        hvd_tf.broadcast_variables(model.variables + optimizer.variables, root_rank=0)
-    data = tf.random.normal((args.batch_size, args.image_size, args.image_size, 3))
-    target = tf.random.uniform((args.batch_size,), 0, 10, dtype=tf.int64)
+    model.compile(optimizer=optimizer, jit_compile=False,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((args.batch_size, args.image_size, args.image_size, 3),
+                            dtype=np.float32)
+    y = rng.integers(0, 10, args.batch_size)
 
-    def step():
-        # One optimizer step = k micro-batches; Horovod's Keras optimizer applies every k-th.
-        for _ in range(k):
-            model.train_on_batch(data, target)
+    class Same(keras.utils.PyDataset):
+        """The same synthetic batch forever (as Horovod's synthetic benchmarks)."""
 
-    return step, rank, size, hvd
+        @property
+        def num_batches(self):
+            return None
+
+        def __getitem__(self, i):
+            return x, y
+
+    data = Same()
+
+    def steps(n: int) -> None:
+        model.fit(data, epochs=1, steps_per_epoch=n * k, verbose=0)
+
+    return (lambda: steps(1)), rank, size, hvd, steps
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.timeline_allreduces:
         os.environ["HOROVOD_TIMELINE"] = "DYNAMIC"
-    step, rank, size, hvd = (torch_setup if args.framework == "torch" else keras_setup)(args)
+    if args.framework == "torch":
+        step, rank, size, hvd = torch_setup(args)
+        steps = None
+    else:
+        step, rank, size, hvd, steps = keras_setup(args)
+
+    def timed(n: int) -> float:
+        """Seconds for n optimizer steps (Keras: one fit call for all n)."""
+        if steps is not None:
+            return timeit.timeit(lambda: steps(n), number=1)
+        return timeit.timeit(step, number=n)
+
     log = print if rank == 0 else (lambda *a, **k: None)
     k = args.backward_passes_per_step
     samples_per_step = args.batch_size * k
     log(f"Model: {args.model}, framework: {args.framework}, mode: {args.mode}")
     log(f"Batch size: {args.batch_size} (x k={k}), number of workers: {size}")
-    timeit.timeit(step, number=args.num_warmup_batches)
+    timed(args.num_warmup_batches)
     timeline = f"/tmp/hvdtrain-bench-timeline-{os.getpid()}.json"
     count = args.timeline_allreduces and hvd is not None
     if count:
         hvd.start_timeline(timeline, mark_cycles=False)
     img_secs = []
     for i in range(args.num_iters):
-        seconds = timeit.timeit(step, number=args.num_batches_per_iter)
+        seconds = timed(args.num_batches_per_iter)
         img_sec = samples_per_step * args.num_batches_per_iter / seconds
         log(f"Iter #{i}: {img_sec:.1f} img/sec per worker")
         img_secs.append(img_sec)
@@ -202,6 +227,10 @@ def main(argv=None) -> dict:
 
 def _threads(framework: str) -> int:
     if framework == "torch":
+        import torch
+        return torch.get_num_threads()
+    import keras
+    if keras.backend.backend() == "torch":
         import torch
         return torch.get_num_threads()
     import tensorflow as tf

@@ -513,6 +513,15 @@ def distribute(model: keras.Model, optimizer: keras.optimizers.Optimizer, *,
             when k > 1, or created with another ``gradient_accumulation_steps``, or a
             learning rate that is a plain callable.
     """
+    return _distribute(model, optimizer, backward_passes_per_step, lr_scaling, compression, op,
+                       root_rank, gradient_predivide_factor, on_nonfinite, broadcast=True)
+
+
+def _distribute(model, optimizer, backward_passes_per_step, lr_scaling, compression, op,
+                root_rank, gradient_predivide_factor, on_nonfinite, broadcast: bool):
+    """:func:`distribute`; ``broadcast=False`` builds the optimizer without broadcasting (elastic
+    training, where ``KerasState.sync`` broadcasts on every rank at each reset, and a worker that
+    joins later must not start a broadcast of its own)."""
     check_distribute_args(backward_passes_per_step, compression, op, B.COMPRESSIONS, _OPS)
     if on_nonfinite is not None and on_nonfinite not in NONFINITE_MODES:
         raise ValueError(f"on_nonfinite must be None, 'skip' or 'stop'; got {on_nonfinite!r}")
@@ -547,7 +556,10 @@ def distribute(model: keras.Model, optimizer: keras.optimizers.Optimizer, *,
                        B.hvd.rank(), B.hvd.size())
     if inner is not optimizer:
         _global_check_finite(optimizer)
-    broadcast_state(model, optimizer, root_rank)
+    if broadcast:
+        broadcast_state(model, optimizer, root_rank)
+    elif not optimizer.built:
+        optimizer.build(model.trainable_variables)
     optimizer.hvdtrain_lr_scale = factor
     optimizer.backward_passes_per_step = k
     optimizer.hvdtrain_allreduce = hooks

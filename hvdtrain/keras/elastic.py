@@ -17,6 +17,7 @@ rescaled for the new world size at every reset (``schedule.scale_factor``).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -26,6 +27,7 @@ import horovod
 import keras
 import numpy as np
 from horovod.common.elastic import ObjectState
+from horovod.common.exceptions import HorovodInternalError
 from keras import ops
 
 from hvdtrain import runtime, schedule
@@ -37,6 +39,24 @@ from hvdtrain.report import EpochMetrics, run_header, setup_logging, write_elast
 
 log = logging.getLogger("hvdtrain")
 hvd = _backend.hvd
+
+
+def _collective_failures(func):
+    """Raise Horovod's ``HorovodInternalError`` for a collective that failed inside a compiled
+    TensorFlow step (a worker left), so ``hvd.elastic.run`` rolls back and resets. TensorFlow
+    reports it as ``UnknownError: Horovod has been shut down ...``; Horovod's own TensorFlow
+    ``elastic.run`` recognises only its default op names (``HorovodAllreduce_...``), not
+    hvdtrain's grouped ``hvdtrain.gradients``. (horovod.torch raises HorovodInternalError
+    itself.)"""
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except Exception as exc:
+            if type(exc).__name__ == "UnknownError" and "Horovod" in str(exc):
+                raise HorovodInternalError(exc) from exc
+            raise
+    return wrapper
 
 
 class KerasState(ObjectState):
@@ -113,7 +133,9 @@ def fit_elastic(cfg: TrainConfig) -> dict:
 
     model = build_model(split.num_classes, x_train.shape[1])
     optimizer = keras.optimizers.SGD(learning_rate=cfg.lr, momentum=cfg.momentum)
-    model, optimizer = adapter.distribute(model, optimizer, lr_scaling=cfg.lr_scaling)
+    # No broadcast here: KerasState.sync broadcasts on every rank at the start and each reset.
+    model, optimizer = adapter._distribute(model, optimizer, 1, cfg.lr_scaling, "none", "average",
+                                           0, 1.0, None, broadcast=False)
     lr_schedule = adapter._schedule_of(optimizer)
     model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -145,6 +167,7 @@ def fit_elastic(cfg: TrainConfig) -> dict:
         return write_elastic_report(out, header, state.history, hvd.size(), hvd.rank() == 0)
 
     @hvd.elastic.run
+    @_collective_failures
     def train(state) -> None:
         set_lr()
         while state.epoch < cfg.epochs:

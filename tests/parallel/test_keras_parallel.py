@@ -104,7 +104,23 @@ def test_keras_main_job_under_horovodrun_reaches_95_percent(tmp_path, backend):
 
 def test_keras_main_job_under_mpirun_with_accumulation(tmp_path):
     run(mpirun(2, "hvdtrain", "train", "--framework", "keras", "--dataset", "digits",
-               "--batch-size", "8", "-k", "2", "--output-dir", str(tmp_path), "--no-progress"))
+               "--batch-size", "8", "-k", "2", "--lr", "0.01", "--output-dir", str(tmp_path),
+               "--no-progress"))
     m = check_keras_job(tmp_path)
     # 1437 samples -> 718 per rank -> 90 batches of 8 -> 45 optimizer steps per epoch.
     assert all(e["optimizer_steps"] == 45 for e in m["epochs"])
+
+
+def test_keras2_code_keeps_working_with_tf_keras_and_horovods_keras_layer(tmp_path):
+    """README, "Keras 2 code": TF_USE_LEGACY_KERAS=1 + tf-keras 2.21 run a tf.keras program
+    written for TF <= 2.15 with horovod.tensorflow.keras unchanged, except Horovod's
+    MetricAverageCallback (it reads `import keras`, which is Keras 3)."""
+    out = tmp_path / "k2.json"
+    run(horovodrun(2, *script("keras2_legacy.py"), "--out", str(out)),
+        env={"TF_USE_LEGACY_KERAS": "1"})
+    r = json.loads(out.read_text())
+    assert r["size"] == 2 and r["keras_module"].startswith("tf_keras")
+    assert r["optimizer_module"].startswith("tf_keras.")  # Keras 2's optimizer, wrapped by Horovod
+    assert r["rank_spread"] == 0.0  # broadcast + all-reduced gradients kept the ranks equal
+    assert r["losses"][1] < r["losses"][0]
+    assert r["metric_average"].startswith("AttributeError") and "constant" in r["metric_average"]

@@ -22,7 +22,7 @@ GPU_FACTS = {"py": "cp312", "tf_package": "", "tf": "", "missing": "", "torch": 
              "torch_cuda": "13.0", "gpu_cc": "90", "torch_arch_cc": "75,80,86,90,100,120",
              "nccl_dist": "nvidia-nccl-cu13 2.27.3"}
 # ... and the pinned CPU stack's.
-CPU_FACTS = {"py": "cp311", "tf_package": "tensorflow-cpu", "tf": "2.15.1", "missing": "",
+CPU_FACTS = {"py": "cp311", "tf_package": "tensorflow-cpu", "tf": "2.21.0", "missing": "",
              "torch": "2.13.0+cpu", "torch_cuda": ""}
 NCCL_H = ("#define NCCL_MAJOR 2\n#define NCCL_MINOR 27\n#define NCCL_PATCH 3\n"
           "#define NCCL_SUFFIX \"\"\n")
@@ -132,7 +132,7 @@ def test_cuda_torch_and_nvcc_give_an_nccl_build_for_the_gpus_present(tmp_path):
     env, nccl = _gpu_env(tmp_path)
     plan = _plan(env)
     assert plan["mode"] == "gpu" and "has CUDA 13.0 and nvcc is" in plan["why"]
-    assert plan["key"] == ("horovod-0.28.1-torch2.11.0-notf-cp312-cxx17-v1"
+    assert plan["key"] == ("horovod-0.28.1-torch2.11.0-notf-cp312-cxx17-noxla-v2"
                            "-cu130-cc90-nccl2.27.3-gpu-v1")
     build = plan["env"]
     assert build["HOROVOD_GPU_OPERATIONS"] == "NCCL"
@@ -199,7 +199,7 @@ def test_without_nvcc_a_cuda_torch_gets_a_cpu_build_with_a_notice(tmp_path):
     assert plan["mode"] == "cpu" and "no nvcc" in plan["notice"]
     assert "HOROVOD_GPU_OPERATIONS" not in plan["env"]
     # torch's CUDA still makes Horovod compile its CUDA kernels: CUDA patches, own key.
-    assert plan["key"] == "horovod-0.28.1-torch2.11.0-notf-cp312-cxx17-v1-cu130-nonccl-gpu-v1"
+    assert plan["key"] == "horovod-0.28.1-torch2.11.0-notf-cp312-cxx17-noxla-v2-cu130-nonccl-gpu-v1"
     assert any("CMAKE_CUDA_STANDARD" in p for p in plan["patch"])
 
     proc = _setup(_env(tmp_path, nvcc=None, HVDTRAIN_PYTHON=py, HVDTRAIN_GPU=1), "--plan")
@@ -227,13 +227,14 @@ def test_default_cpu_plan_keeps_the_cpu_key_and_build(tmp_path):
     _fake_python(tmp_path / "venv", CPU_FACTS)
     plan = _plan(_env(tmp_path, VENV=tmp_path / "venv"))
     assert plan["mode"] == "cpu" and plan["why"] == "torch 2.13.0+cpu is a CPU build"
-    assert plan["key"] == "horovod-0.28.1-torch2.13.0-tf2.15.1-cp311-cxx17-v1"
+    assert plan["key"] == "horovod-0.28.1-torch2.13.0-tf2.21.0-cp311-cxx17-noxla-v2"
     cores = len(os.sched_getaffinity(0))
     assert plan["env"] == {"CMAKE_POLICY_VERSION_MINIMUM": "3.5", "HOROVOD_WITH_PYTORCH": "1",
                            "HOROVOD_WITH_TENSORFLOW": "1", "HOROVOD_WITHOUT_MXNET": "1",
                            "HOROVOD_WITH_MPI": "1", "HOROVOD_WITH_GLOO": "1",
                            "HOROVOD_CPU_OPERATIONS": "MPI", "MAKEFLAGS": f"-j{cores}"}
-    assert len(plan["patch"]) == 2 and plan["run"] == []
+    assert len(plan["patch"]) == 3 and plan["run"] == []
+    assert "horovod/tensorflow/CMakeLists.txt: leave xla_mpi_ops.cc out" in plan["patch"][2]
 
 
 def test_default_plan_on_this_checkouts_venv():
@@ -248,7 +249,7 @@ def test_default_plan_on_this_checkouts_venv():
     torch_v = md.version("torch").split("+")[0]
     tf_v = md.version("tensorflow-cpu")
     py = "cp%d%d" % sys.version_info[:2]
-    assert f"key={CPU_KEY_PREFIX}{torch_v}-tf{tf_v}-{py}-cxx17-v1\n" in proc.stdout
+    assert f"key={CPU_KEY_PREFIX}{torch_v}-tf{tf_v}-{py}-cxx17-noxla-v2\n" in proc.stdout
     assert "mode=cpu\n" in proc.stdout
 
 
@@ -291,6 +292,9 @@ def _fake_source(root: Path) -> Path:
         "horovod/common/common.h": "#ifndef HOROVOD_COMMON_H\n#define HOROVOD_COMMON_H\n\n"
                                    "#include <functional>\n#include <memory>\n",
         "horovod/common/group_table.h": "// licence\n\n#include <mutex>\n#include <queue>\n",
+        "horovod/tensorflow/CMakeLists.txt": (
+            'list(APPEND TF_SOURCES "${PROJECT_SOURCE_DIR}/horovod/tensorflow/mpi_ops.cc")\n'
+            'list(APPEND TF_SOURCES "${PROJECT_SOURCE_DIR}/horovod/tensorflow/xla_mpi_ops.cc")\n'),
     }
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
@@ -332,7 +336,7 @@ def test_gpu_setup_end_to_end_with_stand_ins(tmp_path):
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("[setup] GPU build (torch 2.11.0+cu130 has CUDA 13.0 and nvcc is ")
     assert "NCCL 2.27.3 from the nvidia-nccl-cu13 2.27.3 wheel, compute capabilities 90" in lines[0]
-    key = "horovod-0.28.1-torch2.11.0-notf-cp312-cxx17-v1-cu130-cc90-nccl2.27.3-gpu-v1"
+    key = "horovod-0.28.1-torch2.11.0-notf-cp312-cxx17-noxla-v2-cu130-cc90-nccl2.27.3-gpu-v1"
     assert lines[1].startswith("[setup] building Horovod 0.28.1 with NCCL") and key in lines[1]
     assert lines[3] == ("[setup] Horovod built with frameworks PyTorch; controllers MPI, Gloo; "
                         "tensor operations NCCL, MPI, Gloo")
@@ -348,6 +352,8 @@ def test_gpu_setup_end_to_end_with_stand_ins(tmp_path):
     assert os.readlink(home / "lib" / "libnccl.so") == "libnccl.so.2"
     assert (home / "lib" / "libnccl.so.2").resolve() == (nccl / "lib" / "libnccl.so.2").resolve()
     src = state / "src"
+    tf_cmake = (src / "horovod/tensorflow/CMakeLists.txt").read_text()
+    assert "/mpi_ops.cc" in tf_cmake and "xla_mpi_ops.cc" not in tf_cmake
     cuda_cmake = (src / "horovod/common/ops/cuda/CMakeLists.txt").read_text()
     assert "set(CMAKE_CUDA_STANDARD 17)" in cuda_cmake
     assert "#include <stdexcept>" in (src / "horovod/common/common.h").read_text()
@@ -420,6 +426,8 @@ def test_patch_refuses_a_tree_that_is_not_horovod_0_28_1(tmp_path):
 
 def test_patch_list_names_each_change():
     listed = _patch("--list", "gpu").stdout.splitlines()
-    assert len(listed) == 5 and listed[2].startswith("horovod/common/ops/cuda/CMakeLists.txt: ")
-    assert len(_patch("--list", "cpu").stdout.splitlines()) == 2
+    assert len(listed) == 6 and listed[3].startswith("horovod/common/ops/cuda/CMakeLists.txt: ")
+    cpu = _patch("--list", "cpu").stdout.splitlines()
+    assert len(cpu) == 3 and cpu[2] == ("horovod/tensorflow/CMakeLists.txt: leave xla_mpi_ops.cc "
+                                        "out of the build (TensorFlow >= 2.16 ships no XLA headers)")
     assert _patch("--list", "tpu").returncode == 2

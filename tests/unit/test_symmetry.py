@@ -6,14 +6,19 @@ import hvdtrain.torch as ht
 
 # Names only one framework has, and why.
 TORCH_ONLY = {"micro_batches", "MicroBatch", "Warmup"}  # the user writes the PyTorch loop;
-# Keras's fit accumulates inside Horovod's optimizer. Warmup is the scheduler object warmup()
-# returns (Keras: WarmupCallback).
+# Keras's fit accumulates inside the optimizer (Keras 3's gradient_accumulation_steps). Warmup is
+# the scheduler object warmup() returns (Keras: WarmupCallback, with WarmupSchedule inside the
+# optimizer).
 # hvd.SyncBatchNorm is PyTorch's; Horovod's TensorFlow SyncBatchNormalization is a Keras 2 layer
 # (it fails on Keras 3, DESIGN.md), so the Keras side offers sync_buffers only.
 TORCH_ONLY |= {"convert_sync_batchnorm"}
-KERAS_ONLY = {"shard_dataset", "micro_batches_per_epoch", "callbacks", "WarmupCallback",
-              "SyncBuffersCallback"}  # tf.data and fit() plumbing; PyTorch uses
+KERAS_ONLY = {"shard_dataset", "ShardedDataset", "micro_batches_per_epoch", "callbacks",
+              "WarmupCallback", "WarmupSchedule", "SyncBuffersCallback",
+              "MetricAverageCallback"}  # PyDataset and fit() plumbing; PyTorch uses
 # DistributedSampler + DataLoader and a LambdaLR, and calls sync_buffers() in its own loop.
+# Keras 3 only: which backend runs (KERAS_BACKEND), and Keras's micro-batch counter, which
+# optimizer.iterations (optimizer steps) hides once it accumulates (a torch loop counts itself).
+KERAS_ONLY |= {"backend", "micro_batch_count", "set_micro_batch_count"}
 SHARED = {"init", "rank_info", "distribute", "broadcast_state", "warmup", "allreduce_sums",
           "ranks_where", "sync_buffers"}
 
@@ -27,8 +32,8 @@ def test_public_names_are_symmetric():
 # (distribute(on_nonfinite=...)); a PyTorch loop calls ranks_where() itself, as hvdtrain's trainer
 # does. Extra parameters come last, so shared calls read the same.
 KERAS_ONLY_PARAMS = {"distribute": ["on_nonfinite"]}
-# A PyTorch user's own LR scheduler composes with the warmup (warmup(..., scheduler=...)); Keras's
-# warmup callback has no counterpart yet (it sets the optimizer's learning rate itself).
+# A PyTorch user's own LR scheduler composes with the warmup (warmup(..., scheduler=...)); a Keras
+# user's LearningRateSchedule is the optimizer's learning_rate, which distribute() composes.
 TORCH_ONLY_PARAMS = {"warmup": ["scheduler"], "distribute": ["sync_batchnorm"]}
 
 

@@ -1,0 +1,149 @@
+"""hvdtrain.keras on Keras 3 in one process (Horovod with size 1; the backend of this pytest process,
+TensorFlow unless KERAS_BACKEND says otherwise): what a review of the Keras 2 adapter found, each
+re-checked here (two fit phases, Embedding with k > 1, global reshuffling, no per-batch host
+reads, resume without replay, a user's LearningRateSchedule, LossScaleOptimizer), and Keras 3
+files. The same adapter under horovodrun -np 2 on both backends: tests/parallel/."""
+import numpy as np
+import pytest
+
+import keras
+
+import hvdtrain.keras as hk
+from hvdtrain import schedule
+from hvdtrain.keras.models import build_model
+
+X = np.random.default_rng(0).random((64, 8, 8, 1), dtype=np.float32)
+Y = np.random.default_rng(1).integers(0, 10, 64)
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+value = keras.ops.convert_to_numpy
+
+
+def lr_now(optimizer) -> float:
+    return float(value(optimizer.learning_rate))
+
+
+def test_a_second_fit_phase_keeps_the_scaled_rate():
+    hk.init(seed=0)
+    model, optimizer = hk.distribute(build_model(), keras.optimizers.SGD(0.01),
+                                     backward_passes_per_step=2)  # factor 1 x 2 = 2
+    model.compile(optimizer=optimizer, loss=LOSS, jit_compile=False)
+    for phase in range(2):  # callbacks() again, as a second fit phase would
+        cbs = hk.callbacks(optimizer, warmup_epochs=0, steps_per_epoch=4)
+        model.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=cbs)
+        assert lr_now(optimizer) == pytest.approx(0.02, rel=1e-6), phase
+        assert cbs[-1].lr_at(100) == pytest.approx(0.02, rel=1e-6)
+    with pytest.raises(ValueError, match="distributed already"):
+        hk.distribute(model, optimizer)
+
+
+def test_embedding_model_with_accumulation_trains():
+    hk.init(seed=0)
+    model = keras.Sequential([keras.layers.Embedding(50, 8), keras.layers.GlobalAveragePooling1D(),
+                              keras.layers.Dense(3)])
+    model.build((None, 5))
+    model, optimizer = hk.distribute(model, keras.optimizers.SGD(0.1), backward_passes_per_step=2)
+    model.compile(optimizer=optimizer, loss=LOSS, jit_compile=False)
+    tokens = np.random.default_rng(2).integers(0, 50, (32, 5))
+    labels = np.random.default_rng(3).integers(0, 3, 32)
+    before = model.get_weights()[0].copy()
+    model.fit(tokens, labels, batch_size=4, epochs=1, verbose=0)
+    assert int(value(optimizer.iterations)) == 4 and hk.micro_batch_count(optimizer) == 8
+    assert not np.allclose(before, model.get_weights()[0])
+
+
+def test_shards_are_reshuffled_globally_every_epoch():
+    x, y = np.arange(40, dtype=np.float32)[:, None], np.arange(40)
+    ranks = [hk.ShardedDataset(x, y, batch_size=5, rank=r, size=2, seed=7) for r in range(2)]
+    per_epoch = ranks[0].steps_per_epoch
+    assert per_epoch == 4
+    epochs = []
+    for epoch in range(2):
+        seen = [np.concatenate([d[epoch * per_epoch + j][1] for j in range(per_epoch)])
+                for d in ranks]
+        assert sorted(np.concatenate(seen)) == list(range(40))  # together: every sample once
+        epochs.append(seen)
+    assert set(epochs[0][0]) != set(epochs[1][0])  # rank 0 holds other samples next epoch
+    # Resuming at micro-batch 6 starts right there: no replay of the stream.
+    resumed = hk.ShardedDataset(x, y, batch_size=5, rank=1, size=2, seed=7, start_batch=6)
+    assert (resumed[0][0] == ranks[1][6][0]).all() and (resumed[1][1] == ranks[1][7][1]).all()
+
+
+def test_uneven_shards_have_equal_whole_groups():
+    x, y = np.zeros((45, 1), np.float32), np.arange(45)
+    shards = [hk.ShardedDataset(x, y, batch_size=4, rank=r, size=2, backward_passes_per_step=2)
+              for r in range(2)]
+    assert {s.steps_per_epoch for s in shards} == {6}  # 22 per rank -> 6 batches, 3 groups
+    assert all(len(s[5][0]) == 4 for s in shards)  # the last batch is full (wraps around)
+
+
+def train(steps_per_execution: int) -> list:
+    hk.init(seed=0)
+    model, optimizer = hk.distribute(build_model(), keras.optimizers.SGD(0.05, momentum=0.9),
+                                     backward_passes_per_step=2)
+    model.compile(optimizer=optimizer, loss=LOSS, jit_compile=False,
+                  steps_per_execution=steps_per_execution)
+    data = hk.shard_dataset(X, Y, batch_size=4, shuffle=False, backward_passes_per_step=2)
+    model.fit(data, epochs=2, steps_per_epoch=data.steps_per_epoch, verbose=0,
+              callbacks=hk.callbacks(optimizer, warmup_epochs=1, steps_per_epoch=8))
+    return model.get_weights()
+
+
+def test_warmup_runs_inside_the_step_so_steps_per_execution_changes_nothing():
+    one, four = train(1), train(4)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(one, four)) < 1e-6
+
+
+def test_a_users_learning_rate_schedule_is_composed_with_the_scaling_and_warmup():
+    hk.init(seed=0)
+    decay = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.5)
+    model, optimizer = hk.distribute(build_model(), keras.optimizers.SGD(decay),
+                                     backward_passes_per_step=2)
+    callback = hk.warmup(optimizer, warmup_epochs=1, steps_per_epoch=4)
+    for step in (0, 2, 4, 9):
+        hk.set_micro_batch_count(optimizer, 2 * step)  # the step's first micro-batch
+        expected = float(value(decay(step))) * 2 * schedule.warmup_multiplier(step, 2.0, 1, 4)
+        assert lr_now(optimizer) == pytest.approx(expected, rel=1e-5), step
+        assert callback.lr_at(step) == pytest.approx(expected, rel=1e-5)
+
+
+def test_loss_scale_optimizer_is_distributed_through_its_inner_optimizer():
+    hk.init(seed=0)
+    lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=2.0 ** 15)
+    model, optimizer = hk.distribute(build_model(), lso, lr_scaling="sqrt")
+    assert optimizer is lso and lr_now(optimizer) == pytest.approx(0.01, rel=1e-6)
+    model.compile(optimizer=optimizer, loss=LOSS, jit_compile=False)
+    before = [w.copy() for w in model.get_weights()]
+    model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
+    assert any(not np.allclose(a, b) for a, b in zip(before, model.get_weights()))
+    assert int(value(optimizer.iterations)) == 4
+
+
+def test_the_distributed_model_saves_as_a_keras_file_a_user_can_load(tmp_path):
+    hk.init(seed=0)
+    model, optimizer = hk.distribute(build_model(), keras.optimizers.SGD(0.01),
+                                     backward_passes_per_step=2)
+    model.compile(optimizer=optimizer, loss=LOSS, jit_compile=False)
+    model.fit(X, Y, batch_size=8, epochs=1, verbose=0)
+    model.save(tmp_path / "model.keras")
+    model.save_weights(tmp_path / "model.weights.h5")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), loaded.get_weights()))
+    assert type(loaded.optimizer) is type(optimizer)
+    plain = build_model()
+    plain.load_weights(tmp_path / "model.weights.h5")
+    assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), plain.get_weights()))
+
+
+def test_distribute_refuses_what_it_cannot_honour():
+    hk.init(seed=0)
+    built = keras.optimizers.SGD(0.1)
+    built.build(build_model().trainable_variables)
+    with pytest.raises(ValueError, match="must not be built yet"):
+        hk.distribute(build_model(), built, backward_passes_per_step=2)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=3"):
+        hk.distribute(build_model(), keras.optimizers.SGD(0.1, gradient_accumulation_steps=3),
+                      backward_passes_per_step=2)
+    with pytest.raises(ValueError, match="no weights yet"):
+        hk.distribute(keras.Sequential([keras.layers.Dense(2)]), keras.optimizers.SGD(0.1))
+    with pytest.raises(ValueError, match="distribute"):
+        hk.warmup(keras.optimizers.SGD(0.1), warmup_epochs=1, steps_per_epoch=1)
