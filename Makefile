@@ -19,7 +19,9 @@ demo: setup
 		--output-dir runs/demo-torch
 	horovodrun -np $(NP) -H localhost:$(NP) hvdtrain train --framework keras --dataset digits \
 		--output-dir runs/demo-keras
-	hvdtrain report runs/demo-torch runs/demo-keras
+	horovodrun -np $(NP) -H localhost:$(NP) hvdtrain train --framework keras --keras-backend torch \
+		--dataset digits --output-dir runs/demo-keras-torch
+	hvdtrain report runs/demo-torch runs/demo-keras runs/demo-keras-torch
 
 test: setup
 	$(PY) -m pytest tests

@@ -137,16 +137,19 @@ def cmd_report(args: argparse.Namespace) -> int:
         path = Path(run_dir) / METRICS_FILE
         try:
             m = json.loads(path.read_text())
-            rows.append({"run": run_dir, "framework": m["framework"], "size": m["size"],
+            rows.append({"run": run_dir, "framework": m["framework"],
+                         "keras_backend": m.get("versions", {}).get("keras_backend"),
+                         "size": m["size"],
                          "global_batch": m["global_batch"], "epochs": len(m["epochs"]),
                          "test_accuracy": m["final_test_accuracy"],
                          "samples_per_sec": m["samples_per_sec"]})
         except (OSError, ValueError, KeyError) as exc:
             return _fail(f"cannot read {path}: {exc!r}", 1)
-    print(f"{'run':<28} {'framework':<9} {'size':>4} {'global batch':>12} {'epochs':>6} "
+    print(f"{'run':<28} {'framework':<16} {'size':>4} {'global batch':>12} {'epochs':>6} "
           f"{'test acc':>8} {'samples/s':>10}")
     for r in rows:
-        print(f"{r['run']:<28} {r['framework']:<9} {r['size']:>4} {r['global_batch']:>12} "
+        framework = "/".join(filter(None, (r["framework"], r["keras_backend"])))
+        print(f"{r['run']:<28} {framework:<16} {r['size']:>4} {r['global_batch']:>12} "
               f"{r['epochs']:>6} {r['test_accuracy']:>8.4f} {r['samples_per_sec']:>10.0f}")
     if args.json_out:
         write_json(args.json_out, rows)

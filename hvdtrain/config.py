@@ -180,14 +180,8 @@ class TrainConfig:
         if not 0 < self.test_fraction < 1:
             raise ConfigError(f"--test-fraction must be in (0, 1); got {self.test_fraction!r}")
         if self.op == "adasum" and self.framework == "keras":
-            raise ConfigError("--op adasum is not available with --framework keras (Horovod's "
-                              "Keras optimizer supports average only); use --op average")
-        if self.framework == "keras" and self.precision == "fp16":
-            raise ConfigError(
-                "--precision fp16 is not available with --framework keras yet (Horovod's Keras 2 "
-                "optimizer and Keras's LossScaleOptimizer do not compose with hvdtrain's "
-                "non-finite check and accumulation; it comes with the Keras 3 adapter); use "
-                "--precision bf16, or --framework torch for fp16")
+            raise ConfigError("--op adasum is not available with --framework keras (hvdtrain's "
+                              "Keras optimizer averages); use --op average")
         if self.op == "adasum" and self.precision == "fp16":
             raise ConfigError("--precision fp16 needs a step the loss scaler can skip, which "
                               "--op adasum cannot do (the update is combined inside step()); "

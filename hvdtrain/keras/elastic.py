@@ -33,6 +33,7 @@ from keras import ops
 from hvdtrain import runtime, schedule
 from hvdtrain.config import TrainConfig
 from hvdtrain.keras import _backend, adapter, checkpoint
+from hvdtrain.keras.optimizer import schedule_of
 from hvdtrain.keras.models import build_model
 from hvdtrain.keras.trainer import _framework_version, evaluate, load_nhwc
 from hvdtrain.report import EpochMetrics, run_header, setup_logging, write_elastic_report
@@ -136,7 +137,7 @@ def fit_elastic(cfg: TrainConfig) -> dict:
     # No broadcast here: KerasState.sync broadcasts on every rank at the start and each reset.
     model, optimizer = adapter._distribute(model, optimizer, 1, cfg.lr_scaling, "none", "average",
                                            0, 1.0, None, broadcast=False)
-    lr_schedule = adapter._schedule_of(optimizer)
+    lr_schedule = schedule_of(optimizer)
     model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"], jit_compile=False)

@@ -22,13 +22,13 @@ from keras import ops
 from hvdtrain import data, runtime
 from hvdtrain.config import TrainConfig
 from hvdtrain.files import CheckpointError, atomic_path
-from hvdtrain.keras import _backend, adapter, checkpoint
+from hvdtrain.keras import _backend, adapter, checkpoint, sharding
+from hvdtrain.keras.callbacks import callbacks as fit_callbacks
 from hvdtrain.keras.models import build_model
 from hvdtrain.report import EpochMetrics, RunReport, run_header, setup_logging
 
 WEIGHTS_FILE = "checkpoint.weights.h5"
-# --precision -> Keras mixed-precision policy. fp16 (a LossScaleOptimizer) is refused by
-# TrainConfig.validate for now.
+# --precision -> Keras mixed-precision policy (fp16 adds a LossScaleOptimizer).
 PRECISION_POLICIES = {"fp32": "float32", "bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
 log = logging.getLogger("hvdtrain")
 
@@ -49,13 +49,16 @@ class TrainLoss:
     - adds each finite micro-batch loss x batch size to ``loss_sum`` / ``samples`` (float64
       variables), so the epoch's train loss leaves out skipped non-finite batches, like the
       PyTorch trainer's; and
-    - carries out ``--fault-nan-at RANK:STEP``: that rank's loss is NaN in optimizer step STEP.
+    - carries out ``--fault-nan-at RANK:STEP``: that rank's loss is NaN in optimizer step STEP,
+      counted by this loss's own micro-batch counter ``calls`` // k (with fp16 a skipped step does
+      not advance ``optimizer.iterations``, so the fault would otherwise repeat).
     """
 
-    def __init__(self, optimizer, rank: int, fault: tuple[int, int] | None):
+    def __init__(self, optimizer, k: int, rank: int, fault: tuple[int, int] | None):
         self.base = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-        self.optimizer = optimizer
+        self.optimizer, self.k = optimizer, k
         self.fault_step = fault[1] if fault and fault[0] == rank else None
+        self.calls = keras.Variable(0, dtype="int64", trainable=False, name="loss_calls")
         self.loss_sum = keras.Variable(0.0, dtype="float64", trainable=False, name="loss_sum")
         self.samples = keras.Variable(0.0, dtype="float64", trainable=False, name="samples")
         self.__name__ = "sparse_categorical_crossentropy"
@@ -63,8 +66,7 @@ class TrainLoss:
     def __call__(self, y_true, y_pred):
         loss = self.base(y_true, y_pred)
         if self.fault_step is not None:
-            # optimizer.iterations counts optimizer steps (Keras 3, also with accumulation).
-            hit = ops.equal(self.optimizer.iterations, self.fault_step)
+            hit = ops.equal(ops.floor_divide(self.calls, self.k), self.fault_step)
             # A factor, not where(hit, loss * nan, loss): that one's gradient is NaN always.
             loss = loss * ops.where(hit, float("nan"), 1.0)
         value = ops.cast(ops.stop_gradient(loss), "float64")
@@ -72,6 +74,7 @@ class TrainLoss:
         n = ops.cast(ops.shape(y_true)[0], "float64")
         self.loss_sum.assign(self.loss_sum + ops.where(finite, value * n, 0.0))
         self.samples.assign(self.samples + ops.where(finite, n, 0.0))
+        self.calls.assign(self.calls + 1)
         return loss
 
     def reset(self) -> None:
@@ -178,9 +181,14 @@ class _EpochEnd(keras.callbacks.Callback):
         seconds = totals["seconds"] / info.size  # mean wall time over ranks
         test_loss, test_acc = evaluate(self.model, s["x_test"], s["y_test"], info.rank, info.size)
         steps_now = int(ops.convert_to_numpy(optimizer.iterations))
-        samples = (steps_now - self.steps) * s["k"] * s["batch_size"] * info.size
+        samples = s["micro_per_epoch"] * s["batch_size"] * info.size
         skipped = self._skipped()
-        steps = steps_now - self.steps - (skipped - self.skipped)
+        scaler = getattr(optimizer, "hvdtrain_loss_scale", None)
+        steps = steps_now - self.steps
+        if scaler is None:  # a skipped step still advanced iterations; under fp16 it did not
+            steps -= skipped - self.skipped
+        else:
+            s["report"].header["overflow_steps"] = int(ops.convert_to_numpy(scaler.overflows))
         s["report"].header["skipped_steps"] = skipped
         metrics = EpochMetrics(epoch + 1, totals["loss"] / max(totals["n"], 1.0),
                                float(logs["accuracy"]), test_loss, test_acc, self.lr, steps,
@@ -209,7 +217,7 @@ def _framework_version() -> str:
 def fit(cfg: TrainConfig) -> dict:
     """Train :func:`build_model` on ``cfg.dataset`` with ``cfg``'s options on every rank.
 
-    An epoch is :func:`adapter.micro_batches_per_epoch` micro-batches of a repeated, per-epoch
+    An epoch is :func:`~hvdtrain.keras.sharding.micro_batches_per_epoch` micro-batches of a repeated, per-epoch
     reshuffled shard (a whole number of optimizer steps). Rank 0 logs, shows Keras's progress bar,
     and writes ``checkpoint.npz`` (keeping the previous one as ``checkpoint.prev.npz``),
     ``checkpoint.weights.h5`` and ``metrics.json`` (the same schema as the PyTorch trainer) after
@@ -249,11 +257,14 @@ def _fit(cfg: TrainConfig, info) -> dict:
     """:func:`fit` after ``init`` and the precision policy."""
     split, x_train, x_test = load_nhwc(cfg)
     k = cfg.backward_passes_per_step
-    micro_per_epoch = adapter.micro_batches_per_epoch(len(x_train), cfg.batch_size, info.size, k)
+    micro_per_epoch = sharding.micro_batches_per_epoch(len(x_train), cfg.batch_size, info.size, k)
     steps_per_epoch = micro_per_epoch // k
 
     model = build_model(split.num_classes, x_train.shape[1], batchnorm=cfg.batchnorm)
     optimizer = keras.optimizers.SGD(learning_rate=cfg.lr, momentum=cfg.momentum)
+    if cfg.precision == "fp16":  # a dynamic loss scale, kept equal on all ranks by distribute
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer,
+                                                        initial_scale=cfg.init_loss_scale)
     model, optimizer = adapter.distribute(model, optimizer, backward_passes_per_step=k,
                                           lr_scaling=cfg.lr_scaling, compression=cfg.compression,
                                           op=cfg.op, on_nonfinite=cfg.on_nonfinite)
@@ -262,10 +273,11 @@ def _fit(cfg: TrainConfig, info) -> dict:
     # The schedule position and the data stream at this run's world size (the same as the
     # checkpoint's when the size did not change): the stream starts there, nothing is replayed.
     adapter.set_micro_batch_count(optimizer, start_epoch * micro_per_epoch)
-    dataset = adapter.shard_dataset(x_train, split.y_train, batch_size=cfg.batch_size,
+    dataset = sharding.shard_dataset(x_train, split.y_train, batch_size=cfg.batch_size,
                                     seed=cfg.seed, info=info, backward_passes_per_step=k,
                                     start_batch=start_epoch * micro_per_epoch)
-    train_loss = TrainLoss(optimizer, info.rank, cfg.fault())
+    train_loss = TrainLoss(optimizer, k, info.rank, cfg.fault())
+    train_loss.calls.assign(start_epoch * micro_per_epoch)
     # No XLA: Horovod's operations have no XLA kernels.
     model.compile(optimizer=optimizer, loss=train_loss, metrics=["accuracy"], jit_compile=False)
     out = Path(cfg.output_dir)
@@ -277,16 +289,17 @@ def _fit(cfg: TrainConfig, info) -> dict:
     header["resumed_from"] = ({k2: resumed[k2] for k2 in ("epoch", "size", "global_batch")}
                               if resumed else None)
     header["skipped_steps"] = 0
-    header["overflow_steps"] = 0  # same schema as PyTorch's; no loss scaler here (no fp16 yet)
+    header["overflow_steps"] = 0  # fp16: micro-batches the loss scaler skipped (overflows)
     report = RunReport(out, header, is_root=info.is_root)
     if resumed:
         report.epochs = [EpochMetrics(**e) for e in resumed["metrics"]]
         log.info("resumed after epoch %d (made with %d ranks, global batch %d)",
                  resumed["epoch"], resumed["size"], resumed["global_batch"])
-    callbacks = adapter.callbacks(optimizer, warmup_epochs=cfg.warmup_epochs,
-                                  steps_per_epoch=steps_per_epoch)
+    callbacks = fit_callbacks(optimizer, warmup_epochs=cfg.warmup_epochs,
+                              steps_per_epoch=steps_per_epoch)
     state = {"info": info, "x_test": x_test, "y_test": split.y_test, "out": out, "k": k,
-             "batch_size": cfg.batch_size, "report": report, "warmup": callbacks[-1],
+             "batch_size": cfg.batch_size, "micro_per_epoch": micro_per_epoch,
+             "report": report, "warmup": callbacks[-1],
              "loss": train_loss, "cfg": cfg, "optimizer": optimizer,
              "guard": getattr(optimizer, "hvdtrain_nonfinite", None)}
     model.fit(dataset, initial_epoch=start_epoch, epochs=cfg.epochs,

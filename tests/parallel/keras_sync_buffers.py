@@ -50,6 +50,9 @@ def main() -> None:
                       "spread_before": float(np.abs(before[0] - before[1]).max()),
                       "spread_after": float(np.abs(after[0] - after[1]).max()),
                       "diff_to_expected": float(np.abs(after[0] - expected).max())}
+    logs = {"loss": float(info.rank), "accuracy": 2.0 * info.rank}  # each rank its own numbers
+    hk.MetricAverageCallback().on_epoch_end(0, logs)
+    result["averaged_logs"] = logs
     callback_ops = [type(c).__name__ for c in hk.callbacks(optimizer)]
     result["callbacks"] = callback_ops
     if info.is_root:

@@ -39,6 +39,8 @@ def test_same_metrics_keys_and_report(tmp_path):
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(rows_file.read_text())
     assert [r["framework"] for r in rows] == ["torch", "keras"]
+    assert [r["keras_backend"] for r in rows] == [None, "tensorflow"]
+    assert "keras/tensorflow" in proc.stdout
     for row in rows:
         m = metrics[row["framework"]]
         assert row["size"] == 2 and row["global_batch"] == 32 and row["epochs"] == 2

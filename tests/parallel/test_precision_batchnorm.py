@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from jobs import Console, horovodrun, run, script
+from jobs import KERAS_BACKENDS, Console, horovodrun, keras_env, run, script
 
 FRAMEWORKS = pytest.mark.parametrize("framework", ["torch", "keras"])
 
@@ -21,9 +21,11 @@ def metrics(out):
     return json.loads((out / "metrics.json").read_text())
 
 
-def test_keras_sync_buffers_averages_or_broadcasts(tmp_path):
+@pytest.mark.parametrize("backend", KERAS_BACKENDS)
+def test_keras_sync_buffers_averages_or_broadcasts(tmp_path, backend):
     out = tmp_path / "result.json"
-    run(horovodrun(2, *script("keras_sync_buffers.py"), "--out", str(out)))
+    run(horovodrun(2, *script("keras_sync_buffers.py"), "--out", str(out)),
+        env=keras_env(backend))
     r = json.loads(out.read_text())
     for op in ("average", "broadcast"):
         assert r[op]["variables"] == 2  # moving_mean, moving_variance
@@ -31,6 +33,7 @@ def test_keras_sync_buffers_averages_or_broadcasts(tmp_path):
         assert r[op]["spread_after"] == 0.0
         assert r[op]["diff_to_expected"] < 1e-6  # mean over ranks / rank 0's
     assert r["callbacks"] == ["MetricAverageCallback", "SyncBuffersCallback", "WarmupCallback"]
+    assert r["averaged_logs"] == {"loss": 0.5, "accuracy": 1.0}  # means over the two ranks
 
 
 @FRAMEWORKS
@@ -82,6 +85,26 @@ def test_keras_bf16(tmp_path):
     m = metrics(tmp_path)
     assert m["precision"] == "bf16" and m["ranks_agree"] is True
     assert m["epochs"][-1]["test_accuracy"] > 0.85
+
+
+def test_keras_fp16_overflow_is_skipped_on_every_rank_not_counted_as_a_failure(tmp_path):
+    # Keras's LossScaleOptimizer around the distributed one; its overflow check is all-reduced.
+    run(train(tmp_path, "--precision", "fp16", "--init-loss-scale", "1e12", "--epochs", "2",
+              framework="keras"))
+    m = metrics(tmp_path)
+    assert m["precision"] == "fp16" and m["ranks_agree"] is True
+    assert m["overflow_steps"] >= 10 and m["skipped_steps"] == 0
+    steps = sum(e["optimizer_steps"] for e in m["epochs"])
+    assert steps == 2 * m["steps_per_epoch"] - m["overflow_steps"]  # k=1: one per micro-batch
+    assert m["epochs"][-1]["test_accuracy"] > 0.5
+
+
+def test_keras_fp16_nan_loss_is_a_failure_not_an_overflow(tmp_path):
+    proc = run(train(tmp_path, "--precision", "fp16", "--epochs", "1", "--fault-nan-at", "1:5",
+                     framework="keras"))
+    m = metrics(tmp_path)
+    assert m["skipped_steps"] == 1 and m["overflow_steps"] == 0 and m["ranks_agree"] is True
+    assert "non-finite loss on rank(s) [1] at optimizer step 5" in Console.of(proc).text
 
 
 def test_device_cuda_without_a_gpu_says_so(tmp_path):

@@ -30,7 +30,7 @@ def test_defaults_validate_and_global_batch(tmp_path):
     (dict(test_fraction=1.0), "--test-fraction"),
     (dict(device="tpu"), "--device must be one of auto, cpu, cuda; got 'tpu'"),
     (dict(precision="fp8"), "--precision must be one of fp32, bf16, fp16; got 'fp8'"),
-    (dict(precision="fp16", framework="keras"), "use --precision bf16, or --framework torch"),
+    (dict(op="adasum", framework="keras", lr_scaling="none"), "Keras optimizer averages"),
     (dict(precision="fp16", op="adasum", lr_scaling="none"), "use --precision bf16 or --op average"),
     (dict(init_loss_scale=0.0), "--init-loss-scale must be > 0"),
     (dict(elastic=True, precision="bf16"), "--elastic trains in fp32 on the CPU"),
@@ -51,3 +51,21 @@ def test_output_dir_on_read_only_filesystem():
     # /proc is read-only even for root.
     with pytest.raises(ConfigError, match="--output-dir '/proc/hvdtrain' is not writable"):
         TrainConfig(output_dir="/proc/hvdtrain").validate()
+
+
+def test_keras_backend_comes_from_the_option_then_the_variable(tmp_path, monkeypatch):
+    out = str(tmp_path / "run")
+    monkeypatch.delenv("KERAS_BACKEND", raising=False)
+    assert TrainConfig(framework="keras", output_dir=out).validate().keras_backend == "tensorflow"
+    monkeypatch.setenv("KERAS_BACKEND", "torch")
+    assert TrainConfig(framework="keras", output_dir=out).validate().keras_backend == "torch"
+    assert TrainConfig(framework="keras", keras_backend="tensorflow",
+                       output_dir=out).validate().keras_backend == "tensorflow"
+    monkeypatch.setenv("KERAS_BACKEND", "jax")
+    with pytest.raises(ConfigError, match="KERAS_BACKEND=jax .* use tensorflow or torch"):
+        TrainConfig(framework="keras", output_dir=out).validate()
+    with pytest.raises(ConfigError, match="--keras-backend must be one of"):
+        TrainConfig(framework="keras", keras_backend="jax", output_dir=out).validate()
+    with pytest.raises(ConfigError, match="--keras-backend is for --framework keras"):
+        TrainConfig(framework="torch", keras_backend="torch", output_dir=out).validate()
+    assert TrainConfig(output_dir=out).validate().keras_backend == ""  # torch: not used

@@ -22,7 +22,8 @@ def guarded(k, mode="skip", fault=(0, 1)):
     optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
     model, optimizer = hk.distribute(model, optimizer, backward_passes_per_step=k,
                                      on_nonfinite=mode)
-    model.compile(optimizer=optimizer, loss=TrainLoss(optimizer, 0, fault), jit_compile=False)
+    model.compile(optimizer=optimizer, loss=TrainLoss(optimizer, k, 0, fault),
+                  jit_compile=False)
     return model, optimizer
 
 

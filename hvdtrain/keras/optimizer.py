@@ -1,0 +1,240 @@
+"""The pieces :func:`hvdtrain.keras.distribute` puts into a Keras 3 optimizer: the learning-rate
+schedule (world-size scaling and warmup, evaluated inside the train step), the grouped all-reduce
+of the gradients on the optimizer instance, the non-finite guard, and the loss-scale hooks for
+fp16. Backend-neutral (``keras.ops`` and :mod:`hvdtrain.keras._backend`)."""
+from __future__ import annotations
+
+import keras
+import numpy as np
+from keras import ops
+
+from hvdtrain import schedule
+from hvdtrain.keras import _backend as B
+
+
+@keras.saving.register_keras_serializable(package="hvdtrain")
+class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """The learning rate of a distributed optimizer, evaluated inside the training step (no host
+    synchronisation, works with ``steps_per_execution``):
+
+    ``lr(step) = base(step) x factor x warmup_multiplier(step)``, with ``step`` the optimizer step
+    (Keras's micro-batch counter ``// backward_passes_per_step``), ``base`` the user's float or
+    ``LearningRateSchedule`` (called with the optimizer step, as in single-process training on
+    the global batch), ``factor`` the world-size scaling (:func:`hvdtrain.schedule.scale_factor`)
+    and the multiplier rising linearly from ``1/factor`` to 1 over ``warmup_steps`` optimizer
+    steps (Goyal et al. 2017, gradual warmup; :func:`hvdtrain.schedule.warmup_multiplier`).
+
+    ``warmup_steps`` and the factor (``scale``) are variables: :func:`warmup` and elastic
+    training's resets change them after the step has been compiled.
+    """
+
+    def __init__(self, base_lr, factor: float, backward_passes_per_step: int = 1,
+                 warmup_steps: float = 0.0):
+        if isinstance(base_lr, dict):
+            base_lr = keras.saving.deserialize_keras_object(base_lr)
+        self.base_lr = base_lr
+        self.backward_passes_per_step = int(backward_passes_per_step)
+        self.scale = keras.Variable(float(factor), dtype="float32", trainable=False,
+                                    name="hvdtrain_lr_scale")
+        self.warmup_steps = keras.Variable(float(warmup_steps), dtype="float32",
+                                           trainable=False, name="hvdtrain_warmup_steps")
+
+    @property
+    def factor(self) -> float:
+        """The world-size scaling factor (a variable: elastic training changes it on a reset)."""
+        return float(ops.convert_to_numpy(self.scale))
+
+    def __call__(self, iterations):
+        step = ops.cast(ops.floor_divide(iterations, self.backward_passes_per_step), "float32")
+        base = self.base_lr(step) if callable(self.base_lr) else self.base_lr
+        w = ops.convert_to_tensor(self.warmup_steps)
+        f = ops.convert_to_tensor(self.scale)
+        ramp = (1.0 + (f - 1.0) * step / ops.maximum(w, 1e-12)) / f
+        multiplier = ops.where(step < w, ramp, ops.ones_like(ramp))
+        return ops.cast(base, "float32") * f * multiplier
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step ``step`` (Python float)."""
+        base = self.base_lr
+        if callable(base):
+            base = float(ops.convert_to_numpy(base(float(step))))
+        warmup_steps = float(ops.convert_to_numpy(self.warmup_steps))
+        warmup_epochs, per_epoch = (warmup_steps, 1) if warmup_steps else (0.0, 1)
+        return float(base) * self.factor * schedule.warmup_multiplier(
+            step, self.factor, warmup_epochs, per_epoch)
+
+    def get_config(self):
+        base = self.base_lr
+        if isinstance(base, keras.optimizers.schedules.LearningRateSchedule):
+            base = keras.saving.serialize_keras_object(base)
+        return {"base_lr": base, "factor": self.factor,
+                "backward_passes_per_step": self.backward_passes_per_step,
+                "warmup_steps": float(ops.convert_to_numpy(self.warmup_steps))}
+
+
+
+def schedule_of(optimizer) -> WarmupSchedule:
+    """The :class:`WarmupSchedule` a distributed optimizer runs on.
+
+    Raises:
+        ValueError: the optimizer did not come from :func:`hvdtrain.keras.distribute`.
+    """
+    lr = getattr(inner(optimizer), "_learning_rate", None)
+    if not isinstance(lr, WarmupSchedule):
+        raise ValueError("warmup() and callbacks() need the optimizer returned by "
+                         "hvdtrain.keras.distribute()")
+    return lr
+
+
+def inner(optimizer):
+    """The optimizer that owns the learning rate and the slots (a ``LossScaleOptimizer``'s
+    ``inner_optimizer``, else the optimizer itself)."""
+    return getattr(optimizer, "inner_optimizer", optimizer)
+
+
+class NonFiniteGuard:
+    """Skips, on every rank together, an optimizer step whose gradients were NaN/Inf on any rank.
+
+    Installed by :func:`distribute` (``on_nonfinite=``). In the step's grouped all-reduce each
+    rank also sends a vector of ``size`` flags (1 at its own rank when its local gradients are
+    not finite), so every rank learns which ranks were bad from the same all-reduce. The decision
+    is taken on the all-reduced gradients, which are identical on every rank: when they are not
+    finite, no rank applies the step (weights, slots and weight decay stay as they were), the
+    optimizer's step counter still advances (the LR schedule follows the step, as in the PyTorch
+    trainer) and ``skipped`` grows by one. Ranks never diverge.
+
+    Attributes:
+        mode: ``"skip"`` or ``"stop"`` (stop is carried out by the callback of :func:`callbacks`).
+        skipped: variable (int64), steps skipped so far.
+        bad_ranks: variable ``(size,)`` float32, 1 for the ranks of the last skipped step.
+        bad_step: variable (int64), the optimizer step last skipped (-1: none).
+    """
+
+    def __init__(self, mode: str, size: int):
+        self.mode, self.size = mode, size
+        self.skipped = keras.Variable(0, dtype="int64", trainable=False, name="hvdtrain_skipped")
+        self.bad_ranks = keras.Variable(np.zeros(size, np.float32), trainable=False,
+                                        name="hvdtrain_bad_ranks")
+        self.bad_step = keras.Variable(-1, dtype="int64", trainable=False,
+                                       name="hvdtrain_bad_step")
+
+    def record(self, flags, step) -> None:
+        self.skipped.assign(self.skipped + 1)
+        self.bad_ranks.assign(flags)
+        self.bad_step.assign(ops.cast(step, "int64"))
+
+
+class _Allreduce:
+    """The hooks :func:`distribute` puts on a Keras 3 optimizer (the instance only, so its class,
+    config and saved files stay the optimizer's own).
+
+    Keras calls ``_clip_gradients`` exactly once per optimizer step, with the step's gradients
+    (with ``gradient_accumulation_steps=k``: the mean of the k micro-batch gradients), before the
+    weight decay and the update. There the gradients go through one grouped all-reduce (average
+    over ranks), so clipping then sees the global gradient, as in single-process training. With a
+    :class:`NonFiniteGuard`, the weight decay and the update run only when the all-reduced
+    gradients are finite.
+    """
+
+    def __init__(self, optimizer, compression: str, predivide: float,
+                 guard: NonFiniteGuard | None, rank: int, size: int):
+        self.opt, self.compression, self.predivide = optimizer, compression, predivide
+        self.guard, self.rank, self.size = guard, rank, size
+        self.allreduces = 0  # grouped all-reduces built (traced graphs count once)
+        cls = type(optimizer)
+        self._clip, self._decay = cls._clip_gradients, cls._apply_weight_decay
+        self._update = cls._backend_update_step
+        self._finite = None
+        optimizer._clip_gradients = self.clip_gradients
+        optimizer._apply_weight_decay = self.apply_weight_decay
+        optimizer._backend_update_step = self.backend_update_step
+
+    def clip_gradients(self, grads):
+        grads = [None if g is None else B.native(g) for g in grads]
+        dense = [g for g in grads if g is not None]
+        extra = []
+        if self.guard is not None:
+            local_ok = ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in dense]))
+            bad = ops.cast(ops.logical_not(local_ok), dense[0].dtype)
+            extra = [B.native(ops.one_hot(self.rank, self.size, dtype=dense[0].dtype) * bad)]
+        reduced = B.grouped_average(dense + extra, self.compression, self.predivide,
+                                    name="hvdtrain.gradients")
+        self.allreduces += 1
+        if self.guard is not None:
+            self._flags = ops.cast(reduced[-1], "float32") * float(self.size)
+            reduced = reduced[:-1]
+            self._finite = ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in reduced]))
+        it = iter(reduced)
+        grads = [None if g is None else next(it) for g in grads]
+        return self._clip(self.opt, grads)
+
+    def apply_weight_decay(self, variables):
+        if self._finite is None:
+            return self._decay(self.opt, variables)
+        return ops.cond(self._finite, lambda: self._decay(self.opt, variables), lambda: None)
+
+    def backend_update_step(self, grads, trainable_variables, learning_rate):
+        if self._finite is None:
+            return self._update(self.opt, grads, trainable_variables, learning_rate)
+        finite, flags = self._finite, self._flags
+        self._finite = None
+        step = self.opt.iterations
+
+        def skip():
+            self.guard.record(flags, step)
+
+        return ops.cond(finite,
+                        lambda: self._update(self.opt, grads, trainable_variables, learning_rate),
+                        skip)
+
+
+class _LossScaleHooks:
+    """What :func:`distribute` adds to a ``LossScaleOptimizer`` (fp16): its overflow check made
+    global, and overflows told apart from failures.
+
+    Keras calls the optimizer's ``scale_loss(loss)`` with each micro-batch's loss; the hook notes
+    whether this rank's loss was finite. ``check_finite(grads)`` (called by the loss-scale
+    optimizer for every micro-batch) then all-reduces ``size + 1`` numbers: this rank's
+    "gradients finite" flag and a vector with 1 at its rank when its loss was not finite. The step
+    is applied only when every rank's gradients were finite, so the ranks take the same branch
+    (the same collectives) and keep the same loss scale. A skipped micro-batch whose losses were
+    all finite is an fp16 overflow (``overflows`` grows; the loss scale halves, as in Keras); one
+    with a non-finite loss on some rank is a failure, recorded in the :class:`NonFiniteGuard`
+    when there is one (``on_nonfinite``). Skipped micro-batches do not advance
+    ``optimizer.iterations`` (Keras's loss-scale optimizer does not apply them).
+
+    Attributes:
+        overflows: variable (int64), micro-batches skipped for an fp16 overflow.
+    """
+
+    def __init__(self, lso, guard: NonFiniteGuard | None, rank: int, size: int):
+        self.lso, self.guard, self.rank, self.size = lso, guard, rank, size
+        self._check, self._scale = type(lso).check_finite, type(lso).scale_loss
+        self.overflows = keras.Variable(0, dtype="int64", trainable=False,
+                                        name="hvdtrain_overflows")
+        self.loss_finite = keras.Variable(1.0, dtype="float32", trainable=False,
+                                          name="hvdtrain_loss_finite")
+        lso.scale_loss = self.scale_loss
+        lso.check_finite = self.check_finite
+
+    def scale_loss(self, loss):
+        self.loss_finite.assign(ops.cast(ops.all(ops.isfinite(loss)), "float32"))
+        return self._scale(self.lso, loss)
+
+    def check_finite(self, grads):
+        local = ops.cast(self._check(self.lso, grads), "float32")
+        bad_loss = ops.one_hot(self.rank, self.size, dtype="float32") * (1.0 - self.loss_finite)
+        flags = ops.concatenate([ops.reshape(local, (1,)), bad_loss])
+        mean = B.grouped_average([B.native(flags)], name="hvdtrain.finite")[0]
+        finite = ops.greater(mean[0], 0.999)
+        bad_ranks = ops.cast(mean[1:], "float32") * float(self.size)
+        failed = ops.greater(ops.sum(bad_ranks), 0.5)
+
+        def not_finite():
+            if self.guard is not None:
+                ops.cond(failed, lambda: self.guard.record(bad_ranks, self.lso.iterations),
+                         lambda: None)
+            self.overflows.assign(self.overflows + ops.cast(ops.logical_not(failed), "int64"))
+
+        ops.cond(finite, lambda: None, not_finite)
+        return finite
