@@ -182,6 +182,10 @@ class TrainConfig:
         if self.op == "adasum" and self.framework == "keras":
             raise ConfigError("--op adasum is not available with --framework keras (hvdtrain's "
                               "Keras optimizer averages); use --op average")
+        if self.framework == "keras" and self.precision == "fp16" and self.compression == "fp16":
+            raise ConfigError("--precision fp16 with --compression fp16 would all-reduce Keras's "
+                              "unscaled gradients in float16, where small ones underflow; use "
+                              "--compression none")
         if self.op == "adasum" and self.precision == "fp16":
             raise ConfigError("--precision fp16 needs a step the loss scaler can skip, which "
                               "--op adasum cannot do (the update is combined inside step()); "

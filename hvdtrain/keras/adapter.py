@@ -160,6 +160,13 @@ def _is_float(var) -> bool:
     return "float" in str(var.dtype)
 
 
+def _is_seed_state(var) -> bool:
+    """A ``keras.random.SeedGenerator``'s state (Dropout, augmentation layers): per-rank
+    randomness that :func:`init` seeded differently on each rank, so never broadcast or
+    averaged (equal states would give every rank the same dropout masks)."""
+    return "seed_generator_state" in str(getattr(var, "path", var.name))
+
+
 def sync_buffers(model: keras.Model, op: str = "average", root_rank: int = 0) -> int:
     """Make the model's non-trainable variables (BatchNormalization ``moving_mean``/
     ``moving_variance``, any other non-trainable state) equal on every rank, in place.
@@ -180,7 +187,7 @@ def sync_buffers(model: keras.Model, op: str = "average", root_rank: int = 0) ->
     """
     runtime.check_buffer_sync_op(op)
     _require_built(model)
-    variables = list(model.non_trainable_variables)
+    variables = [v for v in model.non_trainable_variables if not _is_seed_state(v)]
     if B.hvd.size() == 1 or not variables:
         return len(variables)
     averaged = [v for v in variables if op == "average" and _is_float(v)]
@@ -198,7 +205,8 @@ def broadcast_state(model: keras.Model, optimizer: keras.optimizers.Optimizer,
                     root_rank: int = 0) -> None:
     """Make every rank's model variables (trainable and not) and optimizer variables (step
     counters, momentum/moment slots, accumulators, loss scale) equal to ``root_rank``'s, before
-    the first step.
+    the first step. Random-number generator states of the model's layers (Dropout's
+    ``SeedGenerator``) stay per rank.
 
     The optimizer is built on the model's trainable variables first (so its slots exist), then
     every variable goes through Horovod's broadcast, in order.
@@ -209,8 +217,8 @@ def broadcast_state(model: keras.Model, optimizer: keras.optimizers.Optimizer,
     _require_built(model)
     if not optimizer.built:
         optimizer.build(model.trainable_variables)
-    B.broadcast_variables(list(model.variables) + list(optimizer.variables), root_rank,
-                          "hvdtrain.state")
+    model_state = [v for v in model.variables if not _is_seed_state(v)]
+    B.broadcast_variables(model_state + list(optimizer.variables), root_rank, "hvdtrain.state")
 
 
 def distribute(model: keras.Model, optimizer: keras.optimizers.Optimizer, *,
@@ -234,7 +242,8 @@ def distribute(model: keras.Model, optimizer: keras.optimizers.Optimizer, *,
        ``optimizer.hvdtrain_loss_scale.overflows``).
     3. Learning rate: the optimizer's rate (a float or a ``LearningRateSchedule``) becomes a
        :class:`WarmupSchedule` multiplied by ``schedule.scale_factor(lr_scaling, size, k)``
-       (Goyal et al. 2017 for ``linear``), kept as ``optimizer.hvdtrain_lr_scale``.
+       (Goyal et al. 2017 for ``linear``); ``optimizer.hvdtrain_lr_scale`` holds the factor
+       distribute applied (elastic resets change the schedule's ``scale`` variable later).
     4. Broadcast: the optimizer is built and model and optimizer variables are broadcast from
        ``root_rank`` (:func:`broadcast_state`).
     5. With ``on_nonfinite="skip"`` or ``"stop"``: non-finite gradients on any rank skip that
@@ -264,7 +273,8 @@ def distribute(model: keras.Model, optimizer: keras.optimizers.Optimizer, *,
 
     Raises:
         ValueError: unknown ``lr_scaling``/``compression``/``op``/``on_nonfinite``, k < 1, an
-            unbuilt model, an optimizer distributed twice, built already without accumulation
+            unbuilt model, a ``mixed_float16`` model without a ``LossScaleOptimizer``, one with
+            ``compression="fp16"``, an optimizer distributed twice, built already without accumulation
             when k > 1, or created with another ``gradient_accumulation_steps``, or a
             learning rate that is a plain callable.
     """
@@ -283,6 +293,14 @@ def _distribute(model, optimizer, backward_passes_per_step, lr_scaling, compress
     _require_built(model)
     k = int(backward_passes_per_step)
     owner = inner(optimizer)
+    if owner is optimizer and str(getattr(model.dtype_policy, "name", "")) == "mixed_float16":
+        raise ValueError("the model computes in mixed_float16: wrap the optimizer in "
+                         "keras.optimizers.LossScaleOptimizer before distribute(), or compile() "
+                         "would add one whose overflow check is per rank (ranks would hang)")
+    if owner is not optimizer and compression == "fp16":
+        raise ValueError("compression='fp16' with a LossScaleOptimizer would all-reduce the "
+                         "unscaled gradients in float16, where small ones underflow; use "
+                         "compression='none'")
     if getattr(optimizer, "hvdtrain_lr_scale", None) is not None:
         raise ValueError("this optimizer is distributed already; give distribute() a new one")
     want = k if k > 1 else None
@@ -327,14 +345,21 @@ def _distribute(model, optimizer, backward_passes_per_step, lr_scaling, compress
 
 
 def micro_batch_count(optimizer) -> int:
-    """Micro-batches the distributed optimizer has seen (Keras's internal counter; with k > 1
-    ``optimizer.iterations`` counts optimizer steps)."""
+    """Micro-batches the distributed optimizer has applied or accumulated (Keras's internal
+    counter; with k > 1 ``optimizer.iterations`` counts optimizer steps; under a
+    ``LossScaleOptimizer`` skipped micro-batches are not counted)."""
     return int(ops.convert_to_numpy(inner(optimizer)._iterations))
 
 
-def set_micro_batch_count(optimizer, count: int) -> None:
-    """Set the micro-batch counter (a resumed run's position; the LR schedule follows it)."""
-    inner(optimizer)._iterations.assign(int(count))
+def set_micro_batch_count(optimizer, count: int, reset_groups: bool = False) -> None:
+    """Set the micro-batch counter (a resumed run's position; the LR schedule follows it);
+    ``reset_groups``: also empty the gradient accumulators (an open group does not carry over)."""
+    owner = inner(optimizer)
+    owner._iterations.assign(int(count))
+    if reset_groups:
+        for acc in getattr(owner, "_accumulated_gradients", None) or []:
+            if acc is not None:
+                acc.assign(ops.zeros_like(acc))
 
 
 

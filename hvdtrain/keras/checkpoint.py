@@ -3,11 +3,12 @@ generation kept (``checkpoint.prev.npz``), read back with ``numpy.load(allow_pic
 code runs on load) and falling back to the previous one when the newest is truncated or corrupt.
 
 A checkpoint holds the model's weights (``model.get_weights()`` order), the optimizer's variables
-(``optimizer.variables`` order: ``iterations`` first, then the momentum/moment slots), and a JSON
+(``optimizer.variables`` order: a ``LossScaleOptimizer``'s own variables, then the inner
+optimizer's ``iterations``, slots and gradient accumulators), and a JSON
 record of the epoch, the optimizer step, the world size and global batch it was made with, the
-configuration, the metrics so far and the NumPy/Python RNG states. TensorFlow's own randomness in
-training (the ``tf.data`` shuffle) is fixed by the seed and the number of batches already drawn,
-which the record holds too. The same layout as :mod:`hvdtrain.torch.checkpoint`.
+configuration, the metrics so far and the NumPy/Python RNG states. The data order
+(:class:`~hvdtrain.keras.sharding.ShardedDataset`) is a function of the seed and the position in
+the stream, which the record holds too. The same layout as :mod:`hvdtrain.torch.checkpoint`.
 """
 from __future__ import annotations
 

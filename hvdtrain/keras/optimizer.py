@@ -99,9 +99,11 @@ class NonFiniteGuard:
     rank also sends a vector of ``size`` flags (1 at its own rank when its local gradients are
     not finite), so every rank learns which ranks were bad from the same all-reduce. The decision
     is taken on the all-reduced gradients, which are identical on every rank: when they are not
-    finite, no rank applies the step (weights, slots and weight decay stay as they were), the
-    optimizer's step counter still advances (the LR schedule follows the step, as in the PyTorch
-    trainer) and ``skipped`` grows by one. Ranks never diverge.
+    finite, no rank applies the step (weights, slots and weight decay stay as they were; the
+    gradient accumulators are zeroed; an EMA of the weights, if the optimizer keeps one, still
+    moves), the optimizer's step counter still advances (the LR schedule follows the step, as in
+    the PyTorch trainer) and ``skipped`` grows by one. Ranks never diverge. Under a
+    ``LossScaleOptimizer`` (:class:`_LossScaleHooks`) it counts skipped micro-batches instead.
 
     Attributes:
         mode: ``"skip"`` or ``"stop"`` (stop is carried out by the callback of :func:`callbacks`).
@@ -182,6 +184,11 @@ class _Allreduce:
 
         def skip():
             self.guard.record(flags, step)
+            # Keras then resets the accumulators; the torch backend does it by multiplying them
+            # by 0, which leaves NaN as NaN: set them to 0 here, so the next group starts clean.
+            for acc in getattr(self.opt, "_accumulated_gradients", None) or []:
+                if acc is not None:
+                    acc.assign(ops.zeros_like(acc))
 
         return ops.cond(finite,
                         lambda: self._update(self.opt, grads, trainable_variables, learning_rate),
@@ -198,9 +205,9 @@ class _LossScaleHooks:
     "gradients finite" flag and a vector with 1 at its rank when its loss was not finite. The step
     is applied only when every rank's gradients were finite, so the ranks take the same branch
     (the same collectives) and keep the same loss scale. A skipped micro-batch whose losses were
-    all finite is an fp16 overflow (``overflows`` grows; the loss scale halves, as in Keras); one
-    with a non-finite loss on some rank is a failure, recorded in the :class:`NonFiniteGuard`
-    when there is one (``on_nonfinite``). Skipped micro-batches do not advance
+    all finite is an fp16 overflow (``overflows`` grows); one with a non-finite loss on some rank
+    is a failure, recorded in the :class:`NonFiniteGuard` when there is one (``on_nonfinite``).
+    Either way Keras halves the loss scale. Skipped micro-batches do not advance
     ``optimizer.iterations`` (Keras's loss-scale optimizer does not apply them).
 
     Attributes:
@@ -226,7 +233,7 @@ class _LossScaleHooks:
         bad_loss = ops.one_hot(self.rank, self.size, dtype="float32") * (1.0 - self.loss_finite)
         flags = ops.concatenate([ops.reshape(local, (1,)), bad_loss])
         mean = B.grouped_average([B.native(flags)], name="hvdtrain.finite")[0]
-        finite = ops.greater(mean[0], 0.999)
+        finite = ops.greater(mean[0] * float(self.size), float(self.size) - 0.5)  # all ranks
         bad_ranks = ops.cast(mean[1:], "float32") * float(self.size)
         failed = ops.greater(ops.sum(bad_ranks), 0.5)
 

@@ -118,13 +118,32 @@ def _resume(cfg: TrainConfig, info, model, optimizer) -> dict:
             record = payload["record"]
             runtime.set_python_numpy_rng_state(record["rng"])
             meta = {k: record[k] for k in ("epoch", "step", "size", "global_batch", "metrics")}
-        except (CheckpointError, ValueError) as exc:
-            meta = {"error": str(exc)}
+            meta["counters"] = record.get("counters", {})
+        except Exception as exc:  # any failure on rank 0 must reach the other ranks, not hang
+            meta = {"error": f"{type(exc).__name__}: {exc}" if not isinstance(
+                exc, (CheckpointError, ValueError)) else str(exc)}
     meta = _backend.broadcast_object(meta, root_rank=0, name="hvdtrain.resume")
     if "error" in meta:
         raise SystemExit(f"hvdtrain: error: --resume: {meta['error']}")
     adapter.broadcast_state(model, optimizer)
     return meta
+
+
+def _counters(optimizer) -> dict:
+    """The run's skipped (non-finite) and fp16-overflow counts, for the checkpoint."""
+    guard = getattr(optimizer, "hvdtrain_nonfinite", None)
+    scaler = getattr(optimizer, "hvdtrain_loss_scale", None)
+    return {"skipped": int(ops.convert_to_numpy(guard.skipped)) if guard is not None else 0,
+            "overflows": int(ops.convert_to_numpy(scaler.overflows)) if scaler is not None else 0}
+
+
+def _restore_counters(optimizer, counters: dict) -> None:
+    guard = getattr(optimizer, "hvdtrain_nonfinite", None)
+    scaler = getattr(optimizer, "hvdtrain_loss_scale", None)
+    if guard is not None:
+        guard.skipped.assign(int(counters.get("skipped", 0)))
+    if scaler is not None:
+        scaler.overflows.assign(int(counters.get("overflows", 0)))
 
 
 def load_nhwc(cfg: TrainConfig) -> tuple[data.Split, np.ndarray, np.ndarray]:
@@ -200,6 +219,7 @@ class _EpochEnd(keras.callbacks.Callback):
                              "global_batch": s["cfg"].global_batch(info.size),
                              "config": s["cfg"].to_dict(),
                              "rng": runtime.python_numpy_rng_state(),
+                             "counters": _counters(optimizer),
                              "metrics": [vars(e) for e in s["report"].epochs + [metrics]]})
             save_weights(s["out"] / WEIGHTS_FILE, self.model)
         s["report"].add(metrics)
@@ -224,13 +244,13 @@ def fit(cfg: TrainConfig) -> dict:
     every epoch, atomically. With ``cfg.resume`` it continues from ``checkpoint.npz``: weights,
     optimizer slots, step, and the position in the data stream (exact at the same world size). A
     NaN/Inf loss on any rank skips that optimizer step on every rank, or stops the job
-    (``cfg.on_nonfinite``; :class:`~hvdtrain.keras.adapter.NonFiniteGuard`).
+    (``cfg.on_nonfinite``; :class:`~hvdtrain.keras.optimizer.NonFiniteGuard`).
 
     Each rank sees only its own GPU (``cfg.device``, :func:`hvdtrain.keras.init`), or none.
     ``--precision bf16`` trains under Keras's ``mixed_bfloat16`` policy (layers compute in
     bfloat16, variables and the logits stay float32). BatchNormalization statistics are averaged
     over ranks at each epoch's end, before evaluation and the checkpoint
-    (:class:`~hvdtrain.keras.adapter.SyncBuffersCallback`).
+    (:class:`~hvdtrain.keras.callbacks.SyncBuffersCallback`).
 
     Raises:
         runtime.NonFiniteLossError: a non-finite loss with ``on_nonfinite="stop"`` (every rank).
@@ -270,9 +290,12 @@ def _fit(cfg: TrainConfig, info) -> dict:
                                           op=cfg.op, on_nonfinite=cfg.on_nonfinite)
     resumed = _resume(cfg, info, model, optimizer) if cfg.resume else None
     start_epoch = resumed["epoch"] if resumed else 0
-    # The schedule position and the data stream at this run's world size (the same as the
-    # checkpoint's when the size did not change): the stream starts there, nothing is replayed.
-    adapter.set_micro_batch_count(optimizer, start_epoch * micro_per_epoch)
+    # The data stream starts at this run's position, nothing is replayed. At the checkpoint's
+    # world size the restored optimizer counter is exact (fp16 skips and an open accumulation
+    # group included); at another size the position is recomputed and the group starts empty.
+    if resumed and resumed["size"] != info.size:
+        adapter.set_micro_batch_count(optimizer, start_epoch * micro_per_epoch, reset_groups=True)
+    _restore_counters(optimizer, resumed["counters"] if resumed else {})
     dataset = sharding.shard_dataset(x_train, split.y_train, batch_size=cfg.batch_size,
                                     seed=cfg.seed, info=info, backward_passes_per_step=k,
                                     start_batch=start_epoch * micro_per_epoch)

@@ -191,3 +191,17 @@ def test_data_that_does_not_divide_among_ranks(tmp_path, framework):
               "--no-progress", np_=3, framework=framework))
     m = metrics(tmp_path)
     assert m["size"] == 3 and m["ranks_agree"] is True and len(m["epochs"]) == 2
+
+
+def test_keras_torch_backend_nan_with_accumulation_skips_one_step_and_trains_on(tmp_path):
+    # The torch backend resets Keras's gradient accumulators by multiplying them by 0, which
+    # keeps a NaN; the skipped step must leave them at 0, or every later step would be skipped.
+    proc = run(train(tmp_path, "--epochs", "3", "-k", "2", "--fault-nan-at", "1:5",
+                     "--keras-backend", "torch", "--no-progress", framework="keras"))
+    assert "non-finite loss on rank(s) [1] at optimizer step 5" in Console.of(proc).text
+    m = metrics(tmp_path)
+    assert m["versions"]["keras_backend"] == "torch"
+    assert m["skipped_steps"] == 1 and m["ranks_agree"] is True
+    # 718 samples per rank -> 45 batches of 16 -> 44 micro-batches = 22 steps, one skipped.
+    assert [e["optimizer_steps"] for e in m["epochs"]] == [21, 22, 22]
+    assert m["final_test_accuracy"] >= 0.9

@@ -31,6 +31,7 @@ def test_defaults_validate_and_global_batch(tmp_path):
     (dict(device="tpu"), "--device must be one of auto, cpu, cuda; got 'tpu'"),
     (dict(precision="fp8"), "--precision must be one of fp32, bf16, fp16; got 'fp8'"),
     (dict(op="adasum", framework="keras", lr_scaling="none"), "Keras optimizer averages"),
+    (dict(precision="fp16", compression="fp16", framework="keras"), "use --compression none"),
     (dict(precision="fp16", op="adasum", lr_scaling="none"), "use --precision bf16 or --op average"),
     (dict(init_loss_scale=0.0), "--init-loss-scale must be > 0"),
     (dict(elastic=True, precision="bf16"), "--elastic trains in fp32 on the CPU"),

@@ -147,3 +147,39 @@ def test_distribute_refuses_what_it_cannot_honour():
         hk.distribute(keras.Sequential([keras.layers.Dense(2)]), keras.optimizers.SGD(0.1))
     with pytest.raises(ValueError, match="distribute"):
         hk.warmup(keras.optimizers.SGD(0.1), warmup_epochs=1, steps_per_epoch=1)
+
+
+def test_dropout_randomness_stays_per_rank():
+    hk.init(seed=0)
+    model = keras.Sequential([keras.layers.Dense(4), keras.layers.BatchNormalization(),
+                              keras.layers.Dropout(0.5), keras.layers.Dense(2)])
+    model.build((None, 3))
+    seeds = [v for v in model.non_trainable_variables if "seed_generator_state" in v.path]
+    assert len(seeds) == 1  # Dropout's SeedGenerator: seeded per rank by init()
+    assert hk.sync_buffers(model) == 2  # moving mean and variance only, not the seed state
+
+
+def test_fp16_set_ups_that_would_hang_or_underflow_are_refused():
+    hk.init(seed=0)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        with pytest.raises(ValueError, match="wrap the optimizer in .*LossScaleOptimizer"):
+            hk.distribute(build_model(), keras.optimizers.SGD(0.1))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    with pytest.raises(ValueError, match="compression='fp16' with a LossScaleOptimizer"):
+        hk.distribute(build_model(), lso, compression="fp16")
+
+
+def test_a_new_world_size_starts_with_an_empty_accumulation_group():
+    hk.init(seed=0)
+    model, optimizer = hk.distribute(build_model(), keras.optimizers.SGD(0.1),
+                                     backward_passes_per_step=4)
+    model.compile(optimizer=optimizer, loss=LOSS, jit_compile=False)
+    model.fit(X[:8], Y[:8], batch_size=4, epochs=1, verbose=0)  # 2 of 4 micro-batches
+    accumulators = optimizer._accumulated_gradients
+    assert any(np.abs(value(a)).sum() > 0 for a in accumulators)
+    hk.set_micro_batch_count(optimizer, 8, reset_groups=True)
+    assert hk.micro_batch_count(optimizer) == 8
+    assert all(np.abs(value(a)).sum() == 0 for a in accumulators)
