@@ -10,18 +10,21 @@ version = re.search(r'__version__ = "([^"]+)"',
 setup(
     name="hvdtrain",
     version=version,
-    description="Data-parallel training for PyTorch and tf.keras on Horovod (MPI/Gloo ring all-reduce)",
+    description="Data-parallel training for PyTorch and Keras 3 on Horovod (MPI/Gloo ring all-reduce)",
     long_description=(Path(__file__).parent / "README.md").read_text(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["hvdtrain", "hvdtrain.*"]),
     # Horovod itself is built by scripts/setup.sh (it needs a C++17 patch for PyTorch >= 2.1).
-    install_requires=["numpy>=1.26,<2", "tqdm>=4.66"],
+    install_requires=["numpy>=1.26", "tqdm>=4.66"],
     extras_require={
         # Any build of the framework: CPU or CUDA (requirements/constraints.txt pins this
         # project's CPU stack; GPU images bring their own CUDA PyTorch).
         "torch": ["torch>=2.1"],
-        "keras": ["tensorflow>=2.15,<2.16"],  # Keras 2 as tf.keras (see README)
+        # Keras 3 on the TensorFlow backend (hvdtrain.keras needs Keras 3; README, "Keras 2 code").
+        "keras": ["tensorflow>=2.16", "keras>=3.10"],
+        # Keras 3 on the PyTorch backend (KERAS_BACKEND=torch).
+        "keras-torch": ["keras>=3.10", "torch>=2.1"],
         "digits": ["scikit-learn>=1.4"],  # the demo dataset (--dataset digits)
         "test": ["pytest>=8", "scikit-learn>=1.4"],
         "bench": ["matplotlib>=3.8"],
