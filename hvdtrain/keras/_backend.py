@@ -12,7 +12,6 @@ import keras
 import numpy as np
 
 NAME = keras.backend.backend()
-BACKENDS = ("tensorflow", "torch")
 if NAME == "tensorflow":
     import horovod.tensorflow as hvd
     import tensorflow as tf
@@ -77,12 +76,7 @@ def broadcast_variables(variables: list, root_rank: int, name: str) -> None:
     """Assign every Keras variable ``root_rank``'s value of it, eagerly (one broadcast per
     variable, in order; every rank passes the same list)."""
     for i, var in enumerate(variables):
-        value = native(var)
-        if NAME == "tensorflow":
-            out = hvd.broadcast(value, root_rank, name=f"{name}.{i}")
-        else:
-            out = hvd.broadcast(value, root_rank, name=f"{name}.{i}")
-        var.assign(out)
+        var.assign(hvd.broadcast(native(var), root_rank, name=f"{name}.{i}"))
 
 
 def broadcast_object(obj, root_rank: int = 0, name: str | None = None):

@@ -36,7 +36,7 @@ from hvdtrain import runtime, schedule
 from hvdtrain.accumulation import check_distribute_args
 from hvdtrain.keras import _backend as B
 from hvdtrain.keras.optimizer import (NonFiniteGuard, WarmupSchedule, _Allreduce, _LossScaleHooks,
-                                      inner)
+                                      inner, zero_accumulators)
 
 _OPS = {"average": "average"}
 NONFINITE_MODES = ("skip", "stop")
@@ -354,12 +354,9 @@ def micro_batch_count(optimizer) -> int:
 def set_micro_batch_count(optimizer, count: int, reset_groups: bool = False) -> None:
     """Set the micro-batch counter (a resumed run's position; the LR schedule follows it);
     ``reset_groups``: also empty the gradient accumulators (an open group does not carry over)."""
-    owner = inner(optimizer)
-    owner._iterations.assign(int(count))
+    inner(optimizer)._iterations.assign(int(count))
     if reset_groups:
-        for acc in getattr(owner, "_accumulated_gradients", None) or []:
-            if acc is not None:
-                acc.assign(ops.zeros_like(acc))
+        zero_accumulators(optimizer)
 
 
 

@@ -45,8 +45,6 @@ class WarmupCallback(keras.callbacks.Callback):
         self.schedule = schedule_of(optimizer)
         schedule.warmup_multiplier(0, self.schedule.factor, warmup_epochs, steps_per_epoch)
         self._optimizer = optimizer
-        self.factor = self.schedule.factor
-        self.k = self.schedule.backward_passes_per_step
         self.warmup_epochs, self.steps_per_epoch = float(warmup_epochs), int(steps_per_epoch)
         self._apply()
 

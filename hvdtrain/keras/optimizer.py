@@ -86,6 +86,14 @@ def schedule_of(optimizer) -> WarmupSchedule:
     return lr
 
 
+def zero_accumulators(optimizer) -> None:
+    """Set the gradient accumulators of Keras's ``gradient_accumulation_steps`` to 0 (an open
+    group is dropped); nothing without accumulation."""
+    for acc in getattr(inner(optimizer), "_accumulated_gradients", None) or []:
+        if acc is not None:
+            acc.assign(ops.zeros_like(acc))
+
+
 def inner(optimizer):
     """The optimizer that owns the learning rate and the slots (a ``LossScaleOptimizer``'s
     ``inner_optimizer``, else the optimizer itself)."""
@@ -142,7 +150,6 @@ class _Allreduce:
                  guard: NonFiniteGuard | None, rank: int, size: int):
         self.opt, self.compression, self.predivide = optimizer, compression, predivide
         self.guard, self.rank, self.size = guard, rank, size
-        self.allreduces = 0  # grouped all-reduces built (traced graphs count once)
         cls = type(optimizer)
         self._clip, self._decay = cls._clip_gradients, cls._apply_weight_decay
         self._update = cls._backend_update_step
@@ -161,7 +168,6 @@ class _Allreduce:
             extra = [B.native(ops.one_hot(self.rank, self.size, dtype=dense[0].dtype) * bad)]
         reduced = B.grouped_average(dense + extra, self.compression, self.predivide,
                                     name="hvdtrain.gradients")
-        self.allreduces += 1
         if self.guard is not None:
             self._flags = ops.cast(reduced[-1], "float32") * float(self.size)
             reduced = reduced[:-1]
@@ -186,9 +192,7 @@ class _Allreduce:
             self.guard.record(flags, step)
             # Keras then resets the accumulators; the torch backend does it by multiplying them
             # by 0, which leaves NaN as NaN: set them to 0 here, so the next group starts clean.
-            for acc in getattr(self.opt, "_accumulated_gradients", None) or []:
-                if acc is not None:
-                    acc.assign(ops.zeros_like(acc))
+            zero_accumulators(self.opt)
 
         return ops.cond(finite,
                         lambda: self._update(self.opt, grads, trainable_variables, learning_rate),

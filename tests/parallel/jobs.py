@@ -51,8 +51,9 @@ def run(argv: list[str], timeout: int = TIMEOUT, check: bool = True,
     return proc
 
 
-# Keras 3 backends the Keras adapter's tests run on (KERAS_BACKEND of the launched job).
-KERAS_BACKENDS = ("tensorflow", "torch")
+# Keras 3 backends the Keras adapter's tests run on (KERAS_BACKEND of the launched job): those
+# hvdtrain supports (hvdtrain.config.KERAS_BACKENDS).
+from hvdtrain.config import KERAS_BACKENDS  # noqa: E402
 
 
 def keras_env(backend: str) -> dict:
