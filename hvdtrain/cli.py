@@ -56,8 +56,14 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--synthetic-samples", type=int, default=d.synthetic_samples)
     parser.add_argument("--no-progress", dest="progress", action="store_false",
                         help="no progress bar on rank 0")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from --output-dir's checkpoint (torch)")
+    parser.add_argument("--resume", nargs="?", const="yes", default=d.resume,
+                        choices=("yes", "auto"),
+                        help="continue from --output-dir's checkpoint; '--resume auto' starts "
+                             "fresh when there is none (one job script for first runs and "
+                             "requeues)")
+    parser.add_argument("--no-requeue", dest="requeue", action="store_false",
+                        help="after a SIGUSR1 checkpoint in a Slurm batch job, do not run "
+                             "'scontrol requeue' (see README, Slurm)")
     parser.add_argument("--on-nonfinite", default=d.on_nonfinite,
                         help="skip (the step, on all ranks) or stop when a loss is NaN/Inf")
     parser.add_argument("--fault-nan-at", default=d.fault_nan_at, metavar="RANK:STEP",
@@ -83,7 +89,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Validate the options, then run the framework's trainer; 0 on success, 2 on bad input, 1
-    when ``--on-nonfinite stop`` stopped the run."""
+    when ``--on-nonfinite stop`` stopped the run, 75 (:data:`hvdtrain.preempt.EXIT_PREEMPTED`)
+    when SIGTERM/SIGUSR1 stopped it after a checkpoint."""
     fields = {k: v for k, v in vars(args).items() if k not in ("command", "func")}
     try:
         cfg = TrainConfig(**fields).validate()
@@ -171,13 +178,36 @@ def cmd_launch(args: argparse.Namespace) -> int:
                      "hvdtrain launch --hostfile hosts -np 2 -- hvdtrain train")
     if args.elastic:
         return _launch_elastic(args, command)
-    if not args.hostfile:
-        return _fail("--hostfile is required (or --elastic with --host-discovery-script)")
+    from hvdtrain import slurm
+    env = dict(os.environ)
     try:
-        hosts = hf.read_hostfile(args.hostfile)
-        hf.check_np(hosts, args.np)
+        if args.hostfile:
+            hosts = hf.read_hostfile(args.hostfile)
+            np_ = hosts.slots if args.np is None else args.np
+        elif slurm.in_allocation(env):  # the allocation's hosts, -np its task count
+            hosts = slurm.allocation_hosts(env)
+            np_ = slurm.allocation_np(env, hosts) if args.np is None else args.np
+            print(f"hvdtrain: hosts from {hosts.path}: {hosts.as_h()}", file=sys.stderr)
+        elif args.launcher == "srun":  # srun makes its own allocation of -np tasks
+            hosts, np_ = None, args.np
+            if np_ is None:
+                return _fail("-np is required with --launcher srun outside an allocation")
+        else:
+            return _fail("--hostfile is required outside a Slurm allocation (or --elastic with "
+                         "--host-discovery-script, or --launcher srun)")
+        if hosts is not None:
+            hf.check_np(hosts, np_)
+        elif np_ < 1:
+            raise hf.HostfileError(f"-np must be at least 1, got {np_}")
     except hf.HostfileError as exc:
         return _fail(str(exc))
+    if args.launcher == "srun":
+        try:
+            slurm.check_srun(env)
+        except hf.HostfileError as exc:
+            if not args.dry_run:
+                return _fail(str(exc))
+            print(f"hvdtrain: warning: {exc}", file=sys.stderr)
     bad = [kv for kv in args.mca if "=" not in kv or not kv.split("=", 1)[0]]
     if bad:
         return _fail(f"--mca {bad[0]!r} is not KEY=VALUE; write e.g. --mca btl_tcp_if_include=eth0")
@@ -187,7 +217,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         print(f"hvdtrain: --gloo: no MPI, so no {hf.YIELD_MCA}", file=sys.stderr)
     else:  # nvidia-smi is only run for auto
         gpus = hf.visible_gpus() if args.yield_when_idle == "auto" else 0
-        tuning, reason = hf.launch_tuning(args.yield_when_idle, gpus, env=dict(os.environ))
+        tuning, reason = hf.launch_tuning(args.yield_when_idle, gpus, env=env)
         if hf.YIELD_MCA in user_mca:
             reason += f"; --mca {hf.YIELD_MCA}={user_mca[hf.YIELD_MCA]} overrides this"
         print(f"hvdtrain: {reason}", file=sys.stderr)
@@ -197,20 +227,26 @@ def cmd_launch(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail(str(exc))
     if args.launcher == "horovodrun":
-        argv, env = hf.horovodrun_argv(args.np, hosts, command, ssh_port=args.ssh_port,
+        argv, env = hf.horovodrun_argv(np_, hosts, command, ssh_port=args.ssh_port,
                                        ssh_identity_file=args.ssh_identity_file,
                                        network_interfaces=args.network_interfaces,
-                                       gloo=args.gloo, mca=mca, knobs=knobs,
-                                       env=dict(os.environ))
-    else:
-        argv, env = hf.mpirun_argv(args.np, hosts, command, env=dict(os.environ),
+                                       gloo=args.gloo, mca=mca, knobs=knobs, env=env)
+        shown = shlex.join(argv)
+    elif args.launcher == "mpirun":
+        argv, env = hf.mpirun_argv(np_, hosts, command, env=env,
                                    allow_run_as_root=os.geteuid() == 0, mca=mca, knobs=knobs)
-    print(shlex.join(argv), flush=True)
+        shown = shlex.join(argv)
+    else:
+        before = dict(os.environ)
+        argv, env = slurm.srun_argv(np_, command, env=env, mca=mca, knobs=knobs)
+        changed = [f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()) if before.get(k) != v]
+        shown = " ".join(changed + [shlex.join(argv)])  # exact, as a shell command line
+    print(shown, flush=True)
     if args.dry_run:
         return 0
     if shutil.which(argv[0], path=env.get("PATH")) is None:
         return _fail(f"{argv[0]} not found on PATH; run 'make setup' (Open MPI and Horovod) or "
-                     "use the other --launcher")
+                     "use another --launcher")
     return subprocess.run(argv, env=env).returncode
 
 
@@ -222,7 +258,10 @@ def _launch_elastic(args: argparse.Namespace, command: list[str]) -> int:
 
     from hvdtrain import hostfile as hf
     if args.launcher != "horovodrun":
-        return _fail("--elastic needs --launcher horovodrun (mpirun cannot add or lose workers)")
+        return _fail("--elastic needs --launcher horovodrun (mpirun and srun cannot add or lose "
+                     "workers)")
+    if args.np is None:
+        return _fail("-np is required with --elastic (the workers to start with)")
     try:
         argv, env = hf.horovodrun_elastic_argv(
             args.np, command, min_np=args.min_np, max_np=args.max_np,
@@ -248,10 +287,14 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="show what Horovod supports on this machine")
     doctor.set_defaults(func=cmd_doctor)
     launch = sub.add_parser("launch", help="validate a hostfile and run a command on its hosts")
-    launch.add_argument("--hostfile", help="'host slots=N' lines (or host:N)")
-    launch.add_argument("-np", "--num-proc", dest="np", type=int, required=True,
-                        help="processes in all")
-    launch.add_argument("--launcher", choices=("horovodrun", "mpirun"), default="horovodrun")
+    launch.add_argument("--hostfile", help="'host slots=N' lines (or host:N); inside a Slurm "
+                        "allocation the allocation's hosts are used when this is left out")
+    launch.add_argument("-np", "--num-proc", dest="np", type=int,
+                        help="processes in all (default: the hostfile's slots; in a Slurm "
+                             "allocation $SLURM_NTASKS)")
+    launch.add_argument("--launcher", choices=("horovodrun", "mpirun", "srun"),
+                        default="horovodrun",
+                        help="srun: Slurm's, as 'srun --mpi=pmix' (default: horovodrun)")
     launch.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
     launch.add_argument("--ssh-port", type=int, help="horovodrun: ssh port of the hosts")
     launch.add_argument("--ssh-identity-file", help="horovodrun: ssh private key")

@@ -19,6 +19,7 @@ DATASETS = ("digits", "synthetic")
 COMPRESSIONS = ("none", "fp16")
 OPS = ("average", "adasum")
 PRECISIONS = ("fp32", "bf16", "fp16")
+RESUME_MODES = ("", "yes", "auto")  # --resume: off, required, when a checkpoint exists
 
 
 class ConfigError(ValueError):
@@ -48,7 +49,12 @@ class TrainConfig:
         test_fraction: held-out share of the dataset, in (0, 1).
         synthetic_samples: size of the synthetic dataset.
         progress: show a progress bar on rank 0.
-        resume: continue from ``output_dir``'s checkpoint (PyTorch).
+        resume: ``""`` (start fresh), ``"yes"`` (continue from ``output_dir``'s checkpoint; none
+            is an error) or ``"auto"`` (continue when a checkpoint exists, else start fresh: one
+            job script serves the first run and every requeue). ``True``/``False`` mean
+            ``"yes"``/``""``.
+        requeue: after a preemption checkpoint made on ``SIGUSR1`` in a Slurm batch job, requeue
+            the job (``scontrol requeue``; :mod:`hvdtrain.preempt`).
         on_nonfinite: what to do when any rank's loss is NaN/Inf: ``"skip"`` the optimizer step
             on every rank, or ``"stop"`` the job (PyTorch).
         fault_nan_at: fault injection for drills and tests, ``"RANK:STEP"``: that rank's loss
@@ -87,7 +93,8 @@ class TrainConfig:
     test_fraction: float = 0.2
     synthetic_samples: int = 2048
     progress: bool = True
-    resume: bool = False
+    resume: str = ""
+    requeue: bool = True
     on_nonfinite: str = "skip"
     fault_nan_at: str = ""
     elastic: bool = False
@@ -151,6 +158,9 @@ class TrainConfig:
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{flag} must be a whole number >= 1; got {value!r}")
         choice("--on-nonfinite", self.on_nonfinite, ("skip", "stop"))
+        if isinstance(self.resume, bool):
+            self.resume = "yes" if self.resume else ""
+        choice("--resume", self.resume, RESUME_MODES)
         choice("--device", self.device, DEVICES)
         choice("--precision", self.precision, PRECISIONS)
         if self.fault_nan_at:

@@ -69,11 +69,14 @@ class Hostfile:
         bare: every line is exactly ``host slots=N`` (no comments, blank lines, other keys):
             ``horovodrun --hostfile`` can read it.
         mpich: it uses MPICH's ``host:N`` form (Open MPI cannot read it).
+        virtual: no file behind it (e.g. a Slurm allocation's hosts, :mod:`hvdtrain.slurm`):
+            ``path`` only names it, and launchers get the hosts as ``-H host:N,...``.
     """
     path: str
     hosts: list
     bare: bool
     mpich: bool
+    virtual: bool = False
 
     @property
     def slots(self) -> int:
@@ -469,7 +472,8 @@ def mpirun_argv(np_: int, hostfile: Hostfile, command: list[str], *,
     argv = ["mpirun"]
     if allow_run_as_root:
         argv.append("--allow-run-as-root")
-    hosts = ["-H", hostfile.as_h()] if hostfile.mpich else ["--hostfile", hostfile.path]
+    hosts = (["-H", hostfile.as_h()] if hostfile.mpich or hostfile.virtual
+             else ["--hostfile", hostfile.path])
     argv += ["-np", str(np_), *hosts, "-bind-to", "none", "-map-by", "slot"]
     for name in passed_env_names(env):
         argv += ["-x", name]

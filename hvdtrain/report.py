@@ -71,9 +71,11 @@ def run_header(framework: str, cfg, info, train_samples: int, test_samples: int,
             "device": info.device, "precision": cfg.precision,
             "config": cfg.to_dict(), "versions": dict(versions),
             # Filled in by the trainer where it applies: the checkpoint resumed from, optimizer
-            # steps skipped for non-finite losses (None: not checked), and whether every rank
-            # ended with the same weights.
-            "resumed_from": None, "skipped_steps": None, "ranks_agree": None}
+            # steps skipped for non-finite losses (None: not checked), whether every rank
+            # ended with the same weights, and the signal that stopped the run after a
+            # checkpoint (hvdtrain.preempt).
+            "resumed_from": None, "skipped_steps": None, "ranks_agree": None,
+            "preempted": None}
 
 
 def setup_logging(rank: int) -> None:

@@ -11,8 +11,14 @@ import random
 
 import numpy as np
 
-# Environment variables set by the launchers, in the order they are trusted.
-_RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+# Environment variables set by the launchers, in the order they are trusted: horovodrun (Gloo
+# and MPI), Open MPI's mpirun, MPICH/Intel MPI, then srun (PMIX_RANK from Slurm's PMIx plugin,
+# SLURM_PROCID always). Slurm's come last: in an sbatch script the batch shell's SLURM_PROCID=0
+# is inherited by every rank that horovodrun or mpirun starts there, and their own variables win.
+_RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
+_SIZE_VARS = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+_LOCAL_RANK_VARS = ("HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
+                    "SLURM_LOCALID")
 _LOCAL_SIZE_VARS = ("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
 
 
@@ -25,15 +31,55 @@ def _first_int(names: tuple[str, ...], default: int) -> int:
 
 
 def launcher_rank() -> int:
-    """This process's rank as the launcher (horovodrun/Gloo, Open MPI, MPICH) set it in the
-    environment, before ``hvd.init()``; 0 when not launched by one. Used to let only rank 0 print
-    errors found while validating input, before any framework is loaded."""
+    """This process's rank as the launcher (horovodrun/Gloo, Open MPI, MPICH, Slurm's srun) set
+    it in the environment, before ``hvd.init()``; 0 when not launched by one. Used to let only
+    rank 0 print errors found while validating input, before any framework is loaded."""
     return _first_int(_RANK_VARS, 0)
 
 
+def launcher_size() -> int:
+    """World size according to the launcher's environment; 1 when not launched by one."""
+    return _first_int(_SIZE_VARS, 1)
+
+
+def launcher_local_rank() -> int:
+    """Rank among the processes on this host according to the launcher; 0 when not launched."""
+    return _first_int(_LOCAL_RANK_VARS, 0)
+
+
 def launcher_local_size() -> int:
-    """Processes on this host according to the launcher's environment; 1 when not launched."""
-    return _first_int(_LOCAL_SIZE_VARS, 1)
+    """Processes on this host according to the launcher's environment (under srun: this host's
+    entry of ``SLURM_STEP_TASKS_PER_NODE``, picked by ``SLURM_NODEID``); 1 when not launched."""
+    value = _first_int(_LOCAL_SIZE_VARS, 0)
+    if value:
+        return value
+    if "SLURM_PROCID" in os.environ and "HOROVOD_RANK" not in os.environ:
+        from hvdtrain.slurm import expand_tasks_per_node
+        try:
+            per_node = expand_tasks_per_node(os.environ.get("SLURM_STEP_TASKS_PER_NODE", ""))
+            return per_node[int(os.environ.get("SLURM_NODEID", "0"))]
+        except (ValueError, IndexError):
+            pass
+    return 1
+
+
+def slurm_hosts_warning(hosts: int, env: dict[str, str] | None = None) -> str | None:
+    """A warning when a job inside a Slurm allocation of several nodes runs on fewer hosts than
+    the allocation has, e.g. ``horovodrun -np 8`` without ``-H`` in an sbatch script: horovodrun
+    (0.28) knows nothing of Slurm and starts every rank on the batch host. None otherwise.
+
+    Args:
+        hosts: hosts the job's ranks run on (``RankInfo.hosts``).
+        env: the environment; defaults to ``os.environ``.
+    """
+    env = os.environ if env is None else env
+    nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
+    if not env.get("SLURM_JOB_ID") or not (nodes and nodes.isdigit()) or hosts >= int(nodes):
+        return None
+    return (f"this job runs on {hosts} host(s) of Slurm job {env['SLURM_JOB_ID']}'s {nodes} "
+            "nodes: a launcher given no hosts (horovodrun without -H) starts every rank on the "
+            "batch host. Launch with 'hvdtrain launch' (it takes the hosts from the allocation) "
+            "or 'srun --mpi=pmix'")
 
 
 def available_cores() -> int:

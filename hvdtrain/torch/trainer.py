@@ -7,6 +7,7 @@ Launch::
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from tqdm import tqdm
 
-from hvdtrain import data, runtime, schedule
+from hvdtrain import data, preempt, runtime, schedule
 from hvdtrain.config import TrainConfig
 from hvdtrain.report import EpochMetrics, RunReport, run_header, setup_logging
 from hvdtrain.torch import adapter, checkpoint
@@ -31,30 +32,66 @@ def _resume(cfg: TrainConfig, info, model, optimizer) -> dict | None:
     """On rank 0, load the checkpoint into ``model``/``optimizer`` (before :func:`distribute`
     broadcasts them, and scales the restored optimizer's saved base rate for this run's world
     size, which may differ from the checkpoint's); share its metadata with every rank, and give
-    every rank its own RNG state back (dropout and augmentation continue as if never stopped).
+    every rank its own RNG state back (dropout and augmentation continue as if never stopped;
+    for a mid-epoch checkpoint the trainer does that once the epoch's data iterator exists).
+
+    Returns:
+        The checkpoint's metadata, or None with ``--resume auto`` and no checkpoint file (a
+        first run).
 
     Raises:
-        SystemExit: no usable checkpoint (on every rank, so none waits for the others).
+        SystemExit: no usable checkpoint (on every rank, so none waits for the others); with
+            ``--resume auto`` only when checkpoint files exist but none loads.
     """
     meta = None
     if info.is_root:
+        out = Path(cfg.output_dir)
+        files = (out / checkpoint.CHECKPOINT_FILE, out / checkpoint.PREVIOUS_FILE)
         try:
-            payload = checkpoint.load(cfg.output_dir)
-            model.load_state_dict(payload["model"])
-            optimizer.load_state_dict(payload["optimizer"])
-            for group in optimizer.param_groups:  # this run's --lr is the base distribute scales
-                group["hvdtrain_base_lr"] = cfg.lr
-            meta = {k: payload[k] for k in ("epoch", "step", "size", "global_batch", "metrics")}
-            meta["scaler"] = payload.get("scaler")
-            meta["rng"] = payload.get("rng_per_rank") or [payload["rng"]]
+            if cfg.resume == "auto" and not any(f.exists() for f in files):
+                meta = {"fresh": True}
+            else:
+                payload = checkpoint.load(cfg.output_dir)
+                model.load_state_dict(payload["model"])
+                optimizer.load_state_dict(payload["optimizer"])
+                for group in optimizer.param_groups:  # this run's --lr is the base to scale
+                    group["hvdtrain_base_lr"] = cfg.lr
+                meta = {k: payload[k] for k in ("epoch", "step", "size", "global_batch",
+                                                "metrics")}
+                for key in ("scaler", "batch", "partial_per_rank", "counters"):
+                    meta[key] = payload.get(key)
+                meta["rng"] = payload.get("rng_per_rank") or [payload["rng"]]
         except checkpoint.CheckpointError as exc:
             meta = {"error": str(exc)}
     meta = hvd.broadcast_object(meta, root_rank=0, name="hvdtrain.resume")
     if "error" in meta:
         raise SystemExit(f"hvdtrain: error: --resume: {meta['error']}")
-    if info.rank < len(meta["rng"]):  # ranks the checkpoint did not have keep their seeds
-        checkpoint.set_rng_state(meta["rng"][info.rank])
+    if "fresh" in meta:
+        log.info("--resume auto: no checkpoint in %s yet, starting fresh", cfg.output_dir)
+        return None
+    if not meta.get("batch"):
+        _restore_rng(meta, info.rank)
     return meta
+
+
+def _restore_rng(meta: dict, rank: int) -> None:
+    """This rank's saved RNG state (ranks the checkpoint did not have keep their seeds)."""
+    if rank < len(meta["rng"]):
+        checkpoint.set_rng_state(meta["rng"][rank])
+
+
+class _SkipSampler(torch.utils.data.Sampler):
+    """``sampler``'s indices after the first ``skip`` ones: a run resumed mid-epoch reads the
+    rest of the epoch's shard without loading the batches it already trained on."""
+
+    def __init__(self, sampler: DistributedSampler):
+        self.sampler, self.skip = sampler, 0
+
+    def __iter__(self):
+        return itertools.islice(iter(self.sampler), self.skip, None)
+
+    def __len__(self) -> int:
+        return max(0, len(self.sampler) - self.skip)
 
 
 def _all_finite(tensors) -> bool:
@@ -122,6 +159,9 @@ def fit(cfg: TrainConfig) -> dict:
     except ValueError as exc:
         raise SystemExit(f"hvdtrain: error: --device {cfg.device}: {exc}") from None
     setup_logging(info.rank)
+    warning = runtime.slurm_hosts_warning(info.hosts)
+    if warning and info.is_root:
+        log.warning(warning)
     device = torch.device(info.device)
     # The split does not depend on --seed: every run holds out the same samples.
     split = data.load(cfg.dataset, test_fraction=cfg.test_fraction,
@@ -129,7 +169,8 @@ def fit(cfg: TrainConfig) -> dict:
     train_set = TensorDataset(torch.from_numpy(split.x_train), torch.from_numpy(split.y_train))
     sampler = DistributedSampler(train_set, num_replicas=info.size, rank=info.rank, shuffle=True,
                                  seed=cfg.seed)
-    loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler,
+    resumable = _SkipSampler(sampler)
+    loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=resumable,
                         pin_memory=device.type == "cuda")
     x_test = torch.from_numpy(split.x_test).to(device)
     y_test = torch.from_numpy(split.y_test).to(device)
@@ -146,11 +187,24 @@ def fit(cfg: TrainConfig) -> dict:
     model, optimizer = adapter.distribute(model, optimizer, backward_passes_per_step=k,
                                           lr_scaling=cfg.lr_scaling, compression=cfg.compression,
                                           op=cfg.op)
-    steps_per_epoch = schedule.steps_per_epoch(len(loader), k)
+    batches_per_epoch = len(loader)
+    steps_per_epoch = schedule.steps_per_epoch(batches_per_epoch, k)
     scheduler = adapter.warmup(optimizer, warmup_epochs=cfg.warmup_epochs,
                                steps_per_epoch=steps_per_epoch)
     start_epoch = resumed["epoch"] if resumed else 0
-    step = start_epoch * steps_per_epoch  # the schedule position at this run's world size
+    # A mid-epoch checkpoint (preemption) continues at its micro-batch, at the same world size;
+    # at another size the shards differ, so the interrupted epoch restarts from its beginning.
+    start_batch = resumed.get("batch") or 0 if resumed else 0
+    if start_batch and resumed["size"] != info.size:
+        log.warning("the checkpoint was made %d micro-batches into epoch %d with %d ranks; with "
+                    "%d ranks the shards differ, so that epoch restarts", start_batch,
+                    start_epoch + 1, resumed["size"], info.size)
+        _restore_rng(resumed, info.rank)
+        start_batch = 0
+    # This rank's share of the interrupted epoch's sums (same world size, so same ranks).
+    partial = resumed["partial_per_rank"][info.rank] if start_batch else None
+    # The schedule position at this run's world size.
+    step = start_epoch * steps_per_epoch + (partial["steps_taken"] if partial else 0)
     if step:
         scheduler.load_state_dict({"last_step": step})
     out = Path(cfg.output_dir)
@@ -158,105 +212,146 @@ def fit(cfg: TrainConfig) -> dict:
                         {"torch": torch.__version__, "horovod": horovod.__version__})
     header["resumed_from"] = ({k2: resumed[k2] for k2 in ("epoch", "size", "global_batch")}
                               if resumed else None)
+    if resumed:
+        header["resumed_from"]["batch"] = start_batch
     report = RunReport(out, header, is_root=info.is_root)
     if resumed:
         report.epochs = [EpochMetrics(**e) for e in resumed["metrics"]]
-        log.info("resumed after epoch %d (made with %d ranks, global batch %d)",
-                 resumed["epoch"], resumed["size"], resumed["global_batch"])
+        log.info("resumed after epoch %d%s (made with %d ranks, global batch %d)",
+                 resumed["epoch"], f" and {start_batch} micro-batches" if start_batch else "",
+                 resumed["size"], resumed["global_batch"])
     fault = cfg.fault()
-    skipped = overflows = 0
+    counters = (resumed or {}).get("counters") or {}
+    skipped, overflows = counters.get("skipped", 0), counters.get("overflows", 0)
     adasum = cfg.op == "adasum"
     params = [p for group in optimizer.param_groups for p in group["params"]]
 
-    for epoch in range(start_epoch, cfg.epochs):
-        sampler.set_epoch(epoch)
-        model.train()
-        lr = optimizer.param_groups[0]["lr"]
-        # Metrics stay on the device and are read once per epoch (no per-batch synchronisation).
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        correct = torch.zeros((), dtype=torch.int64, device=device)
-        seen = torch.zeros((), dtype=torch.int64, device=device)
-        group_nonfinite = torch.zeros((), dtype=torch.bool, device=device)
-        steps = 0
-        start = time.perf_counter()
-        bar = tqdm(total=len(loader), desc=f"epoch {epoch + 1}/{cfg.epochs}", unit="batch",
-                   disable=not (info.is_root and cfg.progress), leave=False)
-        for (x, y), micro in adapter.micro_batches(loader, k):
-            x = x.to(device, non_blocking=True)
-            y = y.to(device, non_blocking=True)
-            with autocast(device, cfg.precision):
-                logits = model(x)
-                loss = F.cross_entropy(logits.float(), y)
-            if fault == (info.rank, step):
-                loss = loss * float("nan")
-            scaler.scale(loss * micro.loss_weight).backward()
-            with torch.no_grad():
-                finite = torch.isfinite(loss)
-                group_nonfinite |= ~finite
-                loss_sum += torch.where(finite, loss.double() * micro.samples, 0.0)
-                correct += torch.where(finite, (logits.argmax(1) == y).sum(), 0)
-                seen += finite.long() * micro.samples
-            if micro.sync:
-                if adasum:
-                    optimizer.step()  # Adasum combines the ranks' updates inside step()
-                    ok = _all_finite(params)  # the combined weights: equal on every rank
-                else:
-                    optimizer.synchronize()  # gradients averaged: bitwise equal on every rank,
-                    scaler.unscale_(optimizer)  # (fp16: the loss scale taken out again)
-                    ok = _all_finite(p.grad for p in params)  # so every rank decides alike
-                    if ok:
-                        with optimizer.skip_synchronize():
-                            scaler.step(optimizer)  # optimizer.step() when no scaler
-                bad_ranks = [] if ok else adapter.ranks_where(  # rare: name the bad ranks
-                    bool(group_nonfinite), name="hvdtrain.nonfinite")
-                if ok:
-                    steps += 1
-                elif scaler.is_enabled() and not bad_ranks:
-                    # Every loss was finite, the fp16 gradients overflowed: the scaler skips this
-                    # step (on every rank: the gradients are the same) and lowers its scale.
-                    with optimizer.skip_synchronize():
-                        scaler.step(optimizer)
-                    overflows += 1
-                    log.debug("step %d: fp16 gradients overflowed at loss scale %g; skipped",
-                              step, scaler.get_scale())
-                else:
-                    message = runtime.nonfinite_message(bad_ranks, step, epoch + 1)
-                    if cfg.on_nonfinite == "stop" or adasum:
-                        raise runtime.nonfinite_stop(
-                            message + ("; with --op adasum the update is applied inside step(), "
-                                       "so it cannot be skipped" if adasum else ""))
-                    log.warning("%s: step skipped on all ranks", message)
-                    skipped += 1
-                scaler.update()
-                scheduler.step()  # the schedule follows step, taken or skipped
-                optimizer.zero_grad()
-                group_nonfinite.zero_()
-                step += 1
-            bar.update()
-        bar.close()
-        seconds = time.perf_counter() - start
-        totals = adapter.allreduce_sums({"loss": loss_sum.item(), "correct": correct.item(),
-                                         "n": seen.item(), "seconds": seconds},
-                                        name="hvdtrain.train")
-        adapter.sync_buffers(model)  # equal BatchNorm statistics before evaluating and saving
-        test_loss, test_acc = evaluate(model, x_test, y_test, info.rank, info.size,
-                                       precision=cfg.precision)
-        epoch_seconds = totals["seconds"] / info.size  # mean wall time over ranks
-        metrics = EpochMetrics(epoch + 1, totals["loss"] / max(totals["n"], 1),
-                               totals["correct"] / max(totals["n"], 1), test_loss, test_acc, lr,
-                               steps, epoch_seconds, totals["n"] / epoch_seconds)
-        report.header["skipped_steps"] = skipped
-        report.header["overflow_steps"] = overflows
-        rng_per_rank = hvd.allgather_object(checkpoint.rng_state(), name="hvdtrain.rng")
+    def save(epoch_done: int, batch: int, partial_state: dict | None, epochs: list) -> None:
+        """Rank 0 writes the checkpoint; every rank calls (its RNG state and, mid-epoch, its
+        share of the epoch's sums are gathered)."""
+        per_rank = hvd.allgather_object({"rng": checkpoint.rng_state(), "partial": partial_state},
+                                        name="hvdtrain.rng")
         if info.is_root:
             checkpoint.save(out, {
                 "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "epoch": epoch + 1, "step": step, "size": info.size,
-                "global_batch": cfg.global_batch(info.size), "config": cfg.to_dict(),
-                "rng": rng_per_rank[0], "rng_per_rank": rng_per_rank,
+                "epoch": epoch_done, "batch": batch, "step": step,
+                "partial_per_rank": [r["partial"] for r in per_rank] if batch else None,
+                "size": info.size, "global_batch": cfg.global_batch(info.size),
+                "config": cfg.to_dict(), "rng": per_rank[0]["rng"],
+                "rng_per_rank": [r["rng"] for r in per_rank],
                 "scaler": scaler.state_dict() if scaler.is_enabled() else None,
-                "metrics": [vars(e) for e in report.epochs + [metrics]]})
-        report.add(metrics)
+                "counters": {"skipped": skipped, "overflows": overflows},
+                "metrics": [vars(e) for e in epochs]})
+
+    with preempt.Preemption() as signals:
+        for epoch in range(start_epoch, cfg.epochs):
+            skip = start_batch if epoch == start_epoch else 0
+            sampler.set_epoch(epoch)
+            resumable.skip = skip * cfg.batch_size
+            model.train()
+            epoch_lr = partial["lr"] if skip else optimizer.param_groups[0]["lr"]
+            # Metrics stay on the device and are read once per epoch (no per-batch sync).
+            part = partial if skip else {}
+            loss_sum = torch.tensor(part.get("loss_sum", 0.0), dtype=torch.float64,
+                                    device=device)
+            correct = torch.tensor(part.get("correct", 0), dtype=torch.int64, device=device)
+            seen = torch.tensor(part.get("seen", 0), dtype=torch.int64, device=device)
+            group_nonfinite = torch.zeros((), dtype=torch.bool, device=device)
+            steps, steps_taken = part.get("steps", 0), part.get("steps_taken", 0)
+            done = skip  # micro-batches of this epoch trained
+            agreed = None
+            start = time.perf_counter() - part.get("seconds", 0.0)
+            bar = tqdm(total=batches_per_epoch, initial=skip, unit="batch",
+                       desc=f"epoch {epoch + 1}/{cfg.epochs}", leave=False,
+                       disable=not (info.is_root and cfg.progress))
+            batches = iter(loader)
+            if skip:  # the RNG as it was mid-epoch, after the epoch's iterator took its seed
+                _restore_rng(resumed, info.rank)
+            for (x, y), micro in adapter.micro_batches(batches, k):
+                x = x.to(device, non_blocking=True)
+                y = y.to(device, non_blocking=True)
+                with autocast(device, cfg.precision):
+                    logits = model(x)
+                    loss = F.cross_entropy(logits.float(), y)
+                if fault == (info.rank, step):
+                    loss = loss * float("nan")
+                scaler.scale(loss * micro.loss_weight).backward()
+                with torch.no_grad():
+                    finite = torch.isfinite(loss)
+                    group_nonfinite |= ~finite
+                    loss_sum += torch.where(finite, loss.double() * micro.samples, 0.0)
+                    correct += torch.where(finite, (logits.argmax(1) == y).sum(), 0)
+                    seen += finite.long() * micro.samples
+                if micro.sync:
+                    # The ranks' signal flags ride along with the step's gradients: submitted
+                    # now, read after the step (no extra wait; hvdtrain.preempt).
+                    stop = hvd.allreduce_async(torch.tensor(signals.flags(), device=device),
+                                               op=hvd.Sum, name="hvdtrain.preempt")
+                    if adasum:
+                        optimizer.step()  # Adasum combines the ranks' updates inside step()
+                        ok = _all_finite(params)  # the combined weights: equal on every rank
+                    else:
+                        optimizer.synchronize()  # gradients averaged: bitwise equal on every
+                        scaler.unscale_(optimizer)  # rank (fp16: the loss scale taken out),
+                        ok = _all_finite(p.grad for p in params)  # so every rank decides alike
+                        if ok:
+                            with optimizer.skip_synchronize():
+                                scaler.step(optimizer)  # optimizer.step() when no scaler
+                    bad_ranks = [] if ok else adapter.ranks_where(  # rare: name the bad ranks
+                        bool(group_nonfinite), name="hvdtrain.nonfinite")
+                    if ok:
+                        steps += 1
+                    elif scaler.is_enabled() and not bad_ranks:
+                        # Every loss was finite, the fp16 gradients overflowed: the scaler skips
+                        # this step (on every rank: the gradients are the same) and lowers its
+                        # scale.
+                        with optimizer.skip_synchronize():
+                            scaler.step(optimizer)
+                        overflows += 1
+                        log.debug("step %d: fp16 gradients overflowed at loss scale %g; skipped",
+                                  step, scaler.get_scale())
+                    else:
+                        message = runtime.nonfinite_message(bad_ranks, step, epoch + 1)
+                        if cfg.on_nonfinite == "stop" or adasum:
+                            raise runtime.nonfinite_stop(
+                                message + ("; with --op adasum the update is applied inside "
+                                           "step(), so it cannot be skipped" if adasum else ""))
+                        log.warning("%s: step skipped on all ranks", message)
+                        skipped += 1
+                    scaler.update()
+                    scheduler.step()  # the schedule follows step, taken or skipped
+                    optimizer.zero_grad()
+                    group_nonfinite.zero_()
+                    step += 1
+                    steps_taken += 1
+                    agreed = preempt.agreed_signal(hvd.synchronize(stop).tolist())
+                done += 1
+                bar.update()
+                if agreed:
+                    break
+            bar.close()
+            if agreed:  # every rank: the same step, the same branch
+                adapter.sync_buffers(model)
+                _preempted(save, signals, agreed, report, info, cfg, {
+                    "epoch": epoch, "batch": done, "step": step,
+                    "partial": {"loss_sum": loss_sum.item(), "correct": correct.item(),
+                                "seen": seen.item(), "steps": steps, "steps_taken": steps_taken,
+                                "seconds": time.perf_counter() - start, "lr": epoch_lr}})
+            seconds = time.perf_counter() - start
+            totals = adapter.allreduce_sums({"loss": loss_sum.item(), "correct": correct.item(),
+                                             "n": seen.item(), "seconds": seconds},
+                                            name="hvdtrain.train")
+            adapter.sync_buffers(model)  # equal BatchNorm statistics before evaluating and saving
+            test_loss, test_acc = evaluate(model, x_test, y_test, info.rank, info.size,
+                                           precision=cfg.precision)
+            epoch_seconds = totals["seconds"] / info.size  # mean wall time over ranks
+            metrics = EpochMetrics(epoch + 1, totals["loss"] / max(totals["n"], 1),
+                                   totals["correct"] / max(totals["n"], 1), test_loss, test_acc,
+                                   epoch_lr, steps, epoch_seconds, totals["n"] / epoch_seconds)
+            report.header["skipped_steps"] = skipped
+            report.header["overflow_steps"] = overflows
+            save(epoch + 1, 0, None, report.epochs + [metrics])
+            report.add(metrics)
     # Every rank must hold the same weights and buffers; a divergence would be a bug worth
     # knowing about.
     checksums = hvd.allgather_object(float(sum(
@@ -265,3 +360,23 @@ def fit(cfg: TrainConfig) -> dict:
     if info.is_root:
         report.write()
     return report.to_dict()
+
+
+def _preempted(save, signals: preempt.Preemption, agreed: str, report: RunReport, info, cfg,
+               where: dict) -> None:
+    """After the step in which some rank saw SIGTERM/SIGUSR1: write the mid-epoch checkpoint
+    (rank 0; every rank waits for it), record the stop in ``metrics.json``, requeue under Slurm,
+    and raise :class:`~hvdtrain.preempt.Preempted` on every rank."""
+    save(where["epoch"], where["batch"], where["partial"], report.epochs)
+    waited = hvd.allgather_object(signals.seconds_since_signal(), name="hvdtrain.preempt.saved")
+    seconds = max((w for w in waited if w is not None), default=None)
+    report.header["preempted"] = {"signal": agreed, "epoch": where["epoch"] + 1,
+                                  "batch": where["batch"], "step": where["step"],
+                                  "seconds_to_checkpoint": seconds}
+    if info.is_root:
+        report.write()
+        log.warning("%s: stopped after optimizer step %d (epoch %d, micro-batch %d) and saved "
+                    "the checkpoint %.2f s after the signal; %s; exit %d, continue with "
+                    "--resume auto", agreed, where["step"], where["epoch"] + 1, where["batch"],
+                    seconds or 0.0, preempt.requeue(agreed, cfg.requeue), preempt.EXIT_PREEMPTED)
+    raise preempt.Preempted(agreed, seconds)

@@ -1,0 +1,81 @@
+"""Preemption under real `horovodrun -np 2` jobs, both trainers: SIGTERM or SIGUSR1 on one rank
+mid-epoch stops every rank after the same optimizer step, rank 0 writes a mid-epoch checkpoint,
+the job exits 75, and `--resume auto` continues to the same weights as an uninterrupted run.
+`--resume auto` with no checkpoint starts fresh. The Slurm drill (scancel) is in tests/slurm/."""
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from jobs import Console
+from test_reliability import load_checkpoint, metrics, pids_of, run, start, train
+
+# ~1 s per epoch per rank here: long enough to signal mid-epoch.
+ARGS = ["--dataset", "synthetic", "--synthetic-samples", "6000", "--no-progress", "--epochs",
+        "3", "-k", "2", "--warmup-epochs", "1"]
+EXIT_PREEMPTED = 75
+
+
+def wait_for_file(path, proc, timeout=300):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the job ended before it could be signalled"
+        if path.exists():
+            return
+        time.sleep(0.02)
+    pytest.fail(f"no {path} within {timeout} s")
+
+
+def preempt(out, args, framework, sig, rank="1"):
+    """Start a job, signal one rank mid-epoch 2, return (proc, output, seconds from the signal to
+    the job's exit)."""
+    proc = start(train(out, *args, framework=framework))
+    try:
+        wait_for_file(out / "metrics.json", proc)  # epoch 1 done
+        time.sleep(0.3)  # into epoch 2
+        ranks = {r: pid for pid, r in pids_of(str(out)).items() if r is not None}
+        signalled = time.monotonic()
+        import os
+        os.kill(ranks[rank], sig)
+        output, _ = proc.communicate(timeout=300)
+        return proc, output, time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.parametrize("framework,sig", [("torch", signal.SIGUSR1), ("keras", signal.SIGTERM)])
+def test_signal_mid_epoch_checkpoints_and_resume_auto_matches_an_uninterrupted_run(
+        tmp_path, framework, sig):
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    extra = ["--dropout", "0.1"] if framework == "torch" else []  # RNG restored mid-epoch too
+    run(train(whole, *ARGS, *extra, framework=framework))
+    proc, output, seconds = preempt(broken, [*ARGS, *extra, "--resume", "auto"], framework, sig)
+    assert proc.returncode == EXIT_PREEMPTED, output[-3000:]
+    stopped = metrics(broken)["preempted"]
+    print(f"{framework}: {stopped}; job exited {seconds:.2f} s after the signal")
+    assert stopped["signal"] == sig.name and stopped["epoch"] == 2
+    assert 0 < stopped["batch"] and stopped["batch"] % 2 == 0  # after a whole step of k=2
+    record, _ = load_checkpoint(broken, framework)
+    assert record["epoch"] == 1 and record["batch"] == stopped["batch"]
+    assert "not a Slurm job: not requeued" in Console(output).text
+    run(train(broken, *ARGS, *extra, "--resume", "auto", framework=framework))
+    resumed, reference = metrics(broken), metrics(whole)
+    assert resumed["resumed_from"]["batch"] == stopped["batch"] and resumed["preempted"] is None
+    diff = np.abs(load_checkpoint(broken, framework)[1] - load_checkpoint(whole, framework)[1])
+    print(f"{framework}: resumed vs uninterrupted, max |weight difference| = {diff.max():.3g}")
+    assert diff.max() <= 1e-6
+    for a, b in zip(resumed["epochs"], reference["epochs"]):
+        assert a["test_accuracy"] == pytest.approx(b["test_accuracy"], abs=1e-9)
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6)
+        assert a["optimizer_steps"] == b["optimizer_steps"] and a["lr"] == pytest.approx(b["lr"])
+
+
+@pytest.mark.parametrize("framework", ["torch", "keras"])
+def test_resume_auto_without_a_checkpoint_starts_fresh(tmp_path, framework):
+    proc = run(train(tmp_path, "--epochs", "1", "--no-progress", "--resume", "auto",
+                     framework=framework))
+    m = metrics(tmp_path)
+    assert m["resumed_from"] is None and len(m["epochs"]) == 1
+    assert "--resume auto: no checkpoint" in Console.of(proc).text
