@@ -134,6 +134,26 @@ class NonFiniteGuard:
         self.bad_step.assign(ops.cast(step, "int64"))
 
 
+class PreemptFlags:
+    """The preemption flags that ride in every optimizer step's grouped gradient all-reduce
+    (:mod:`hvdtrain.preempt`): each rank puts ``[SIGTERM seen, SIGUSR1 seen]`` into
+    ``requested`` (the trainer's callback does, when a signal came), and after the step
+    ``agreed`` holds the sum over ranks, kept once set. ``agreed`` is equal on every rank after
+    every step, so all ranks stop after the same one. Two numbers more in an all-reduce the step
+    runs anyway: no extra collective.
+
+    Attributes:
+        requested: variable ``(2,)`` float32, this rank's flags.
+        agreed: variable ``(2,)`` float32, the all-reduced flags (sums over ranks).
+    """
+
+    def __init__(self):
+        self.requested = keras.Variable(np.zeros(2, np.float32), trainable=False,
+                                        name="hvdtrain_preempt_requested")
+        self.agreed = keras.Variable(np.zeros(2, np.float32), trainable=False,
+                                     name="hvdtrain_preempt_agreed")
+
+
 class _Allreduce:
     """The hooks :func:`distribute` puts on a Keras 3 optimizer (the instance only, so its class,
     config and saved files stay the optimizer's own).
@@ -147,9 +167,10 @@ class _Allreduce:
     """
 
     def __init__(self, optimizer, compression: str, predivide: float,
-                 guard: NonFiniteGuard | None, rank: int, size: int):
+                 guard: NonFiniteGuard | None, rank: int, size: int,
+                 preempt: PreemptFlags | None = None):
         self.opt, self.compression, self.predivide = optimizer, compression, predivide
-        self.guard, self.rank, self.size = guard, rank, size
+        self.guard, self.rank, self.size, self.preempt = guard, rank, size, preempt
         cls = type(optimizer)
         self._clip, self._decay = cls._clip_gradients, cls._apply_weight_decay
         self._update = cls._backend_update_step
@@ -166,8 +187,14 @@ class _Allreduce:
             local_ok = ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in dense]))
             bad = ops.cast(ops.logical_not(local_ok), dense[0].dtype)
             extra = [B.native(ops.one_hot(self.rank, self.size, dtype=dense[0].dtype) * bad)]
+        if self.preempt is not None:
+            extra.append(B.native(ops.cast(self.preempt.requested, dense[0].dtype)))
         reduced = B.grouped_average(dense + extra, self.compression, self.predivide,
                                     name="hvdtrain.gradients")
+        if self.preempt is not None:
+            summed = ops.cast(reduced[-1], "float32") * float(self.size)
+            self.preempt.agreed.assign(ops.maximum(self.preempt.agreed, summed))
+            reduced = reduced[:-1]
         if self.guard is not None:
             self._flags = ops.cast(reduced[-1], "float32") * float(self.size)
             reduced = reduced[:-1]

@@ -19,7 +19,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from hvdtrain import data, runtime
+from hvdtrain import data, preempt, runtime
 from hvdtrain.config import TrainConfig
 from hvdtrain.files import CheckpointError, atomic_path
 from hvdtrain.keras import _backend, adapter, checkpoint, sharding
@@ -46,9 +46,10 @@ class TrainLoss:
     """The training loss (sparse categorical cross-entropy on logits; ``y_true`` ``(B,)``,
     ``y_pred`` ``(B, C)``, returns the batch mean), which also
 
-    - adds each finite micro-batch loss x batch size to ``loss_sum`` / ``samples`` (float64
-      variables), so the epoch's train loss leaves out skipped non-finite batches, like the
-      PyTorch trainer's; and
+    - adds each finite micro-batch's loss x batch size and correct predictions to ``loss_sum``,
+      ``correct`` and ``samples`` (float64 variables), so the epoch's train loss and accuracy
+      leave out skipped non-finite batches, like the PyTorch trainer's, and can be carried over
+      a mid-epoch checkpoint; and
     - carries out ``--fault-nan-at RANK:STEP``: that rank's loss is NaN in optimizer step STEP,
       counted by this loss's own micro-batch counter ``calls`` // k (with fp16 a skipped step does
       not advance ``optimizer.iterations``, so the fault would otherwise repeat).
@@ -61,6 +62,7 @@ class TrainLoss:
         self.calls = keras.Variable(0, dtype="int64", trainable=False, name="loss_calls")
         self.loss_sum = keras.Variable(0.0, dtype="float64", trainable=False, name="loss_sum")
         self.samples = keras.Variable(0.0, dtype="float64", trainable=False, name="samples")
+        self.correct = keras.Variable(0.0, dtype="float64", trainable=False, name="correct")
         self.__name__ = "sparse_categorical_crossentropy"
 
     def __call__(self, y_true, y_pred):
@@ -74,17 +76,23 @@ class TrainLoss:
         n = ops.cast(ops.shape(y_true)[0], "float64")
         self.loss_sum.assign(self.loss_sum + ops.where(finite, value * n, 0.0))
         self.samples.assign(self.samples + ops.where(finite, n, 0.0))
+        hits = ops.sum(ops.cast(ops.equal(ops.cast(ops.argmax(y_pred, axis=-1), "int64"),
+                                          ops.cast(ops.reshape(y_true, (-1,)), "int64")),
+                                "float64"))
+        self.correct.assign(self.correct + ops.where(finite, hits, 0.0))
         self.calls.assign(self.calls + 1)
         return loss
 
-    def reset(self) -> None:
-        self.loss_sum.assign(0.0)
-        self.samples.assign(0.0)
+    def reset(self, loss_sum: float = 0.0, correct: float = 0.0, samples: float = 0.0) -> None:
+        """Start the epoch's sums (at 0, or where a mid-epoch checkpoint left them)."""
+        self.loss_sum.assign(loss_sum)
+        self.correct.assign(correct)
+        self.samples.assign(samples)
 
-    def totals(self) -> tuple[float, float]:
-        """``(loss_sum, samples)`` of this rank since :meth:`reset`."""
-        return (float(ops.convert_to_numpy(self.loss_sum)),
-                float(ops.convert_to_numpy(self.samples)))
+    def totals(self) -> dict:
+        """``{"loss_sum", "correct", "samples"}`` of this rank since :meth:`reset`."""
+        return {name: float(ops.convert_to_numpy(getattr(self, name)))
+                for name in ("loss_sum", "correct", "samples")}
 
 
 def _resume(cfg: TrainConfig, info, model, optimizer) -> dict:
@@ -101,7 +109,12 @@ def _resume(cfg: TrainConfig, info, model, optimizer) -> dict:
     """
     meta = None
     if info.is_root:
+        out = Path(cfg.output_dir)
         try:
+            if cfg.resume == "auto" and not any(
+                    (out / f).exists() for f in (checkpoint.CHECKPOINT_FILE,
+                                                 checkpoint.PREVIOUS_FILE)):
+                raise FileNotFoundError
             payload = checkpoint.load(cfg.output_dir)
             weights = model.get_weights()
             if [w.shape for w in weights] != [np.shape(w) for w in payload["model"]]:
@@ -119,12 +132,19 @@ def _resume(cfg: TrainConfig, info, model, optimizer) -> dict:
             runtime.set_python_numpy_rng_state(record["rng"])
             meta = {k: record[k] for k in ("epoch", "step", "size", "global_batch", "metrics")}
             meta["counters"] = record.get("counters", {})
+            meta["batch"] = record.get("batch") or 0
+            meta["partial_per_rank"] = record.get("partial_per_rank")
+        except FileNotFoundError:
+            meta = {"fresh": True}
         except Exception as exc:  # any failure on rank 0 must reach the other ranks, not hang
             meta = {"error": f"{type(exc).__name__}: {exc}" if not isinstance(
                 exc, (CheckpointError, ValueError)) else str(exc)}
     meta = _backend.broadcast_object(meta, root_rank=0, name="hvdtrain.resume")
     if "error" in meta:
         raise SystemExit(f"hvdtrain: error: --resume: {meta['error']}")
+    if "fresh" in meta:
+        log.info("--resume auto: no checkpoint in %s yet, starting fresh", cfg.output_dir)
+        return None
     adapter.broadcast_state(model, optimizer)
     return meta
 
@@ -174,7 +194,10 @@ def evaluate(model: keras.Model, x: np.ndarray, y: np.ndarray, rank: int, size: 
 
 
 class _EpochEnd(keras.callbacks.Callback):
-    """After each epoch (logs already averaged over ranks): evaluate, checkpoint, report."""
+    """After each epoch (logs already averaged over ranks): evaluate, checkpoint, report. An
+    epoch resumed from a mid-epoch checkpoint starts from that checkpoint's sums, step count
+    and time (``trainer_state["partial"]``); an epoch stopped by a signal is left to
+    :func:`_preempted`."""
 
     def __init__(self, trainer_state: dict):
         super().__init__()
@@ -185,18 +208,33 @@ class _EpochEnd(keras.callbacks.Callback):
         return int(ops.convert_to_numpy(guard.skipped)) if guard is not None else 0
 
     def on_epoch_begin(self, epoch, logs=None):
+        part = self.s.pop("partial", None)
+        if part is not None:  # the rest of an epoch stopped by a signal
+            self.s["loss"].reset(part["loss_sum"], part["correct"], part["samples"])
+            self.start = time.perf_counter() - part["seconds"]
+            self.steps, self.skipped, self.lr = part["iterations"], part["skipped"], part["lr"]
+            return
         self.s["loss"].reset()
         self.start = time.perf_counter()
         self.steps = int(ops.convert_to_numpy(self.s["optimizer"].iterations))
         self.skipped = self._skipped()
         self.lr = self.s["warmup"].lr_at(self.steps)
 
+    def partial(self) -> dict:
+        """This rank's state of the unfinished epoch, for a mid-epoch checkpoint."""
+        return {**self.s["loss"].totals(), "seconds": time.perf_counter() - self.start,
+                "iterations": self.steps, "skipped": self.skipped, "lr": self.lr}
+
     def on_epoch_end(self, epoch, logs=None):
         s = self.s
+        stopped = s["preemption"].stopped
+        if stopped and stopped["batch"] < s["micro_per_epoch"]:
+            return  # a mid-epoch stop: _preempted checkpoints it
         info, optimizer = s["info"], s["optimizer"]
-        loss_sum, n = s["loss"].totals()
+        sums = s["loss"].totals()
         totals = adapter.allreduce_sums({"seconds": time.perf_counter() - self.start,
-                                         "loss": loss_sum, "n": n}, name="hvdtrain.train")
+                                         "loss": sums["loss_sum"], "correct": sums["correct"],
+                                         "n": sums["samples"]}, name="hvdtrain.train")
         seconds = totals["seconds"] / info.size  # mean wall time over ranks
         test_loss, test_acc = evaluate(self.model, s["x_test"], s["y_test"], info.rank, info.size)
         steps_now = int(ops.convert_to_numpy(optimizer.iterations))
@@ -209,20 +247,96 @@ class _EpochEnd(keras.callbacks.Callback):
         else:
             s["report"].header["overflow_steps"] = int(ops.convert_to_numpy(scaler.overflows))
         s["report"].header["skipped_steps"] = skipped
-        metrics = EpochMetrics(epoch + 1, totals["loss"] / max(totals["n"], 1.0),
-                               float(logs["accuracy"]), test_loss, test_acc, self.lr, steps,
-                               seconds, samples / seconds)
-        if info.is_root:
-            checkpoint.save(s["out"], self.model.get_weights(),
-                            [ops.convert_to_numpy(v) for v in optimizer.variables],
-                            {"epoch": epoch + 1, "step": steps_now, "size": info.size,
-                             "global_batch": s["cfg"].global_batch(info.size),
-                             "config": s["cfg"].to_dict(),
-                             "rng": runtime.python_numpy_rng_state(),
-                             "counters": _counters(optimizer),
-                             "metrics": [vars(e) for e in s["report"].epochs + [metrics]]})
-            save_weights(s["out"] / WEIGHTS_FILE, self.model)
+        n = max(totals["n"], 1.0)
+        metrics = EpochMetrics(epoch + 1, totals["loss"] / n, totals["correct"] / n, test_loss,
+                               test_acc, self.lr, steps, seconds, samples / seconds)
+        _save(s, epoch + 1, 0, None, s["report"].epochs + [metrics], self.model)
         s["report"].add(metrics)
+        if stopped:  # stopped on the epoch's last step: the epoch is complete
+            stopped.update(epoch=epoch + 1, batch=0)
+
+
+def _save(s: dict, epoch_done: int, batch: int, partial_per_rank: list | None, epochs: list,
+          model) -> None:
+    """Rank 0 writes the checkpoint (``checkpoint.npz`` and ``checkpoint.weights.h5``)."""
+    info, optimizer = s["info"], s["optimizer"]
+    if not info.is_root:
+        return
+    checkpoint.save(s["out"], model.get_weights(),
+                    [ops.convert_to_numpy(v) for v in optimizer.variables],
+                    {"epoch": epoch_done, "batch": batch, "partial_per_rank": partial_per_rank,
+                     "step": int(ops.convert_to_numpy(optimizer.iterations)),
+                     "size": info.size, "global_batch": s["cfg"].global_batch(info.size),
+                     "config": s["cfg"].to_dict(), "rng": runtime.python_numpy_rng_state(),
+                     "counters": _counters(optimizer), "metrics": [vars(e) for e in epochs]})
+    save_weights(s["out"] / WEIGHTS_FILE, model)
+
+
+class _Preemption(keras.callbacks.Callback):
+    """Stops ``fit`` on every rank after the same optimizer step once any rank got SIGTERM or
+    SIGUSR1 (:mod:`hvdtrain.preempt`): a rank that saw a signal sets its
+    :class:`~hvdtrain.keras.optimizer.PreemptFlags` before the next batch, the step's gradient
+    all-reduce carries them, and after each optimizer step (every k-th batch) every rank reads
+    the all-reduced flags, the same on every rank.
+
+    Attributes:
+        stopped: None, or ``{"signal", "epoch" (0-based), "batch"}`` (micro-batches of that
+            epoch trained) once the ranks agreed to stop.
+        offset: micro-batches of the current epoch trained before this ``fit`` call (a resumed
+            mid-epoch run).
+    """
+
+    def __init__(self, flags, k: int, signals: preempt.Preemption):
+        super().__init__()
+        self.flags, self.k, self.signals = flags, k, signals
+        self.pushed, self.stopped, self.offset, self.epoch = False, None, 0, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.offset = 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.signals.seen and not self.pushed:
+            self.flags.requested.assign(np.asarray(self.signals.flags(), np.float32))
+            self.pushed = True
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.offset + batch + 1) % self.k:
+            return
+        agreed = preempt.agreed_signal(ops.convert_to_numpy(self.flags.agreed).tolist())
+        if agreed:
+            self.stopped = {"signal": agreed, "epoch": self.epoch,
+                            "batch": self.offset + batch + 1}
+            self.model.stop_training = True
+
+
+def _preempted(s: dict, model, epoch_end: _EpochEnd, signals: preempt.Preemption) -> None:
+    """After ``fit`` stopped on a signal, on every rank: gather each rank's share of the
+    unfinished epoch, let rank 0 write the mid-epoch checkpoint (the others wait for it), record
+    the stop in ``metrics.json``, requeue under Slurm, and raise
+    :class:`~hvdtrain.preempt.Preempted`."""
+    info, cfg, stopped = s["info"], s["cfg"], s["preemption"].stopped
+    adapter.sync_buffers(model)  # the saved model's BatchNorm statistics: averaged over ranks
+    per_rank = _backend.allgather_object(epoch_end.partial(), name="hvdtrain.preempt")
+    _save(s, stopped["epoch"], stopped["batch"], per_rank if stopped["batch"] else None,
+          s["report"].epochs, model)
+    waited = _backend.allgather_object(signals.seconds_since_signal(),
+                                       name="hvdtrain.preempt.saved")
+    seconds = max((w for w in waited if w is not None), default=None)
+    step = int(ops.convert_to_numpy(s["optimizer"].iterations))
+    s["report"].header["preempted"] = {"signal": stopped["signal"], "epoch": stopped["epoch"] + 1,
+                                       "batch": stopped["batch"], "step": step,
+                                       "seconds_to_checkpoint": seconds}
+    if info.is_root:
+        s["report"].write()
+        log.warning("%s: stopped after optimizer step %d (epoch %d, micro-batch %d) and saved "
+                    "the checkpoint %.2f s after the signal; %s; exit %d, continue with "
+                    "--resume auto", stopped["signal"], step, stopped["epoch"] + 1,
+                    stopped["batch"], seconds or 0.0,
+                    preempt.requeue(stopped["signal"], cfg.requeue), preempt.EXIT_PREEMPTED)
+    raise preempt.Preempted(stopped["signal"], seconds)
 
 
 def _framework_version() -> str:
@@ -290,17 +404,22 @@ def _fit(cfg: TrainConfig, info) -> dict:
                                           op=cfg.op, on_nonfinite=cfg.on_nonfinite)
     resumed = _resume(cfg, info, model, optimizer) if cfg.resume else None
     start_epoch = resumed["epoch"] if resumed else 0
+    # A mid-epoch checkpoint (preemption) continues at its micro-batch at the same world size;
+    # at another size the shards differ and the interrupted epoch restarts.
+    start_micro = resumed["batch"] if resumed else 0
+    if start_micro and resumed["size"] != info.size:
+        log.warning("the checkpoint was made %d micro-batches into epoch %d with %d ranks; with "
+                    "%d ranks the shards differ, so that epoch restarts", start_micro,
+                    start_epoch + 1, resumed["size"], info.size)
+        start_micro = 0
     # The data stream starts at this run's position, nothing is replayed. At the checkpoint's
     # world size the restored optimizer counter is exact (fp16 skips and an open accumulation
     # group included); at another size the position is recomputed and the group starts empty.
     if resumed and resumed["size"] != info.size:
         adapter.set_micro_batch_count(optimizer, start_epoch * micro_per_epoch, reset_groups=True)
     _restore_counters(optimizer, resumed["counters"] if resumed else {})
-    dataset = sharding.shard_dataset(x_train, split.y_train, batch_size=cfg.batch_size,
-                                    seed=cfg.seed, info=info, backward_passes_per_step=k,
-                                    start_batch=start_epoch * micro_per_epoch)
     train_loss = TrainLoss(optimizer, k, info.rank, cfg.fault())
-    train_loss.calls.assign(start_epoch * micro_per_epoch)
+    train_loss.calls.assign(start_epoch * micro_per_epoch + start_micro)
     # No XLA: Horovod's operations have no XLA kernels.
     model.compile(optimizer=optimizer, loss=train_loss, metrics=["accuracy"], jit_compile=False)
     out = Path(cfg.output_dir)
@@ -311,23 +430,46 @@ def _fit(cfg: TrainConfig, info) -> dict:
                          "horovod": horovod.__version__})
     header["resumed_from"] = ({k2: resumed[k2] for k2 in ("epoch", "size", "global_batch")}
                               if resumed else None)
+    if resumed:
+        header["resumed_from"]["batch"] = start_micro
     header["skipped_steps"] = 0
     header["overflow_steps"] = 0  # fp16: micro-batches the loss scaler skipped (overflows)
     report = RunReport(out, header, is_root=info.is_root)
     if resumed:
         report.epochs = [EpochMetrics(**e) for e in resumed["metrics"]]
-        log.info("resumed after epoch %d (made with %d ranks, global batch %d)",
-                 resumed["epoch"], resumed["size"], resumed["global_batch"])
+        log.info("resumed after epoch %d%s (made with %d ranks, global batch %d)",
+                 resumed["epoch"], f" and {start_micro} micro-batches" if start_micro else "",
+                 resumed["size"], resumed["global_batch"])
     callbacks = fit_callbacks(optimizer, warmup_epochs=cfg.warmup_epochs,
                               steps_per_epoch=steps_per_epoch)
+    signals = preempt.Preemption()
+    preemption = _Preemption(optimizer.hvdtrain_preempt, k, signals)
     state = {"info": info, "x_test": x_test, "y_test": split.y_test, "out": out, "k": k,
              "batch_size": cfg.batch_size, "micro_per_epoch": micro_per_epoch,
-             "report": report, "warmup": callbacks[-1],
+             "report": report, "warmup": callbacks[-1], "preemption": preemption,
              "loss": train_loss, "cfg": cfg, "optimizer": optimizer,
              "guard": getattr(optimizer, "hvdtrain_nonfinite", None)}
-    model.fit(dataset, initial_epoch=start_epoch, epochs=cfg.epochs,
-              steps_per_epoch=micro_per_epoch, callbacks=[*callbacks, _EpochEnd(state)],
-              verbose=1 if (info.is_root and cfg.progress) else 0)
+    if start_micro:  # this rank's sums of the interrupted epoch
+        state["partial"] = resumed["partial_per_rank"][info.rank]
+    epoch_end = _EpochEnd(state)
+    # (first epoch, end epoch, micro-batches per epoch, micro-batches of the first epoch done)
+    phases = []
+    if start_micro:  # the rest of the interrupted epoch, then the others
+        phases.append((start_epoch, start_epoch + 1, micro_per_epoch - start_micro, start_micro))
+    first = start_epoch + (1 if start_micro else 0)
+    if first < cfg.epochs:
+        phases.append((first, cfg.epochs, micro_per_epoch, 0))
+    with signals:
+        for initial, end, steps, done in phases:
+            dataset = sharding.shard_dataset(
+                x_train, split.y_train, batch_size=cfg.batch_size, seed=cfg.seed, info=info,
+                backward_passes_per_step=k, start_batch=initial * micro_per_epoch + done)
+            preemption.offset = done
+            model.fit(dataset, initial_epoch=initial, epochs=end, steps_per_epoch=steps,
+                      callbacks=[*callbacks, epoch_end, preemption],
+                      verbose=1 if (info.is_root and cfg.progress) else 0)
+            if preemption.stopped:
+                _preempted(state, model, epoch_end, signals)
     # Every rank must hold the same weights; a divergence would be a bug worth knowing about.
     checksum = float(sum(np.asarray(w, dtype=np.float64).sum() for w in model.get_weights()))
     report.header["ranks_agree"] = len(set(_backend.allgather_object(checksum))) == 1
