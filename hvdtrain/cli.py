@@ -114,7 +114,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    """Print what Horovod supports here; 1 when the build lacks something hvdtrain needs."""
+    """Print what Horovod supports here; with ``--hostfile`` also run the multi-host pre-flight
+    (:mod:`hvdtrain.preflight`). 1 when the build lacks something hvdtrain needs or a pre-flight
+    check failed; 2 on a bad hostfile."""
     from hvdtrain import doctor
     try:
         info = doctor.check_build()
@@ -127,7 +129,35 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     for issue in issues:
         print(f"hvdtrain: error: {issue}", file=sys.stderr)
     print("status:             " + ("NOT usable" if issues else "ok"))
-    return 1 if issues else 0
+    if issues:
+        return 1
+    if args.hostfile:
+        return _preflight(args)
+    return 0
+
+
+def _preflight(args: argparse.Namespace) -> int:
+    """The pre-flight of ``doctor --hostfile`` and ``launch --check``: 0 when every check
+    passed, 1 otherwise (each failure printed with its host, cause and fix), 2 on a bad
+    hostfile or -np."""
+    from hvdtrain import hostfile as hf
+    from hvdtrain import preflight
+    try:
+        hosts = hf.read_hostfile(args.hostfile)
+        np_ = hosts.slots if args.np is None else args.np
+        hf.check_np(hosts, np_)
+    except hf.HostfileError as exc:
+        return _fail(str(exc))
+    print(f"pre-flight of {args.hostfile} ({hosts.as_h()}, {np_} ranks):", flush=True)
+    checks = preflight.run_checks(hosts, np_, ssh_port=args.ssh_port,
+                                  ssh_identity_file=args.ssh_identity_file,
+                                  network_interfaces=args.network_interfaces,
+                                  timeout_s=args.timeout)
+    print(preflight.format_checks(checks), flush=True)
+    failed = [c for c in checks if not c.ok]
+    if failed:
+        return _fail(f"pre-flight failed: {len(failed)} check(s) (see 'fix:' above)", 1)
+    return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -241,6 +271,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
         argv, env = slurm.srun_argv(np_, command, env=env, mca=mca, knobs=knobs)
         changed = [f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()) if before.get(k) != v]
         shown = " ".join(changed + [shlex.join(argv)])  # exact, as a shell command line
+    if args.check and not args.dry_run:
+        if not args.hostfile:
+            return _fail("--check needs --hostfile (inside Slurm the scheduler placed the job)")
+        code = _preflight(args)
+        if code:
+            return code
     print(shown, flush=True)
     if args.dry_run:
         return 0
@@ -284,7 +320,17 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model on a dataset (run under horovodrun/mpirun)")
     add_train_args(train)
     train.set_defaults(func=cmd_train)
-    doctor = sub.add_parser("doctor", help="show what Horovod supports on this machine")
+    doctor = sub.add_parser("doctor", help="show what Horovod supports on this machine; with "
+                            "--hostfile, check the hosts before a multi-host job")
+    doctor.add_argument("--hostfile", help="pre-flight the hosts of this hostfile: ssh, "
+                        "versions, a shared network interface, a small all-reduce")
+    doctor.add_argument("-np", "--num-proc", dest="np", type=int,
+                        help="ranks for the all-reduce (default: all slots)")
+    doctor.add_argument("--ssh-port", type=int, help="ssh port of the hosts")
+    doctor.add_argument("--ssh-identity-file", help="ssh private key")
+    doctor.add_argument("--network-interfaces", help="interfaces the job will use, e.g. eth0")
+    doctor.add_argument("--timeout", type=float, default=120.0,
+                        help="seconds the all-reduce may take, start included (default 120)")
     doctor.set_defaults(func=cmd_doctor)
     launch = sub.add_parser("launch", help="validate a hostfile and run a command on its hosts")
     launch.add_argument("--hostfile", help="'host slots=N' lines (or host:N); inside a Slurm "
@@ -296,6 +342,11 @@ def build_parser() -> argparse.ArgumentParser:
                         default="horovodrun",
                         help="srun: Slurm's, as 'srun --mpi=pmix' (default: horovodrun)")
     launch.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
+    launch.add_argument("--check", action="store_true",
+                        help="run the pre-flight of 'hvdtrain doctor --hostfile' first and "
+                             "launch only when it passes")
+    launch.add_argument("--timeout", type=float, default=120.0,
+                        help="--check: seconds the pre-flight all-reduce may take")
     launch.add_argument("--ssh-port", type=int, help="horovodrun: ssh port of the hosts")
     launch.add_argument("--ssh-identity-file", help="horovodrun: ssh private key")
     launch.add_argument("--network-interfaces", help="horovodrun: interfaces to use, e.g. eth0")

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -210,16 +212,27 @@ def mpi_implementation() -> str:
     return (out.stdout or out.stderr).strip().splitlines()[0]
 
 
+def find_horovodrun() -> str | None:
+    """``horovodrun`` on PATH, else the one beside this Python (``.venv/bin/hvdtrain doctor`` run
+    without the venv on PATH); None when neither exists."""
+    found = shutil.which("horovodrun")
+    if found:
+        return found
+    beside = Path(sys.executable).parent / "horovodrun"
+    return str(beside) if os.access(beside, os.X_OK) else None
+
+
 def check_build() -> BuildInfo:
-    """Run ``horovodrun --check-build`` and parse it.
+    """Run ``horovodrun --check-build`` (:func:`find_horovodrun`) and parse it.
 
     Raises:
         RuntimeError: ``horovodrun`` is missing or failed; the message says how to install it.
     """
-    if not shutil.which("horovodrun"):
-        raise RuntimeError("horovodrun not found on PATH: run 'make setup' and use .venv/bin, "
-                           "or activate the virtualenv")
-    out = subprocess.run(["horovodrun", "--check-build"], capture_output=True, text=True,
+    horovodrun = find_horovodrun()
+    if not horovodrun:
+        raise RuntimeError(f"horovodrun not found on PATH or beside {sys.executable}: run "
+                           "'make setup' and use .venv/bin, or activate the virtualenv")
+    out = subprocess.run([horovodrun, "--check-build"], capture_output=True, text=True,
                          timeout=300)
     if out.returncode != 0:
         raise RuntimeError(f"'horovodrun --check-build' failed: {out.stderr.strip()[-500:]}")

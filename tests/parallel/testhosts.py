@@ -51,9 +51,13 @@ def _keygen(path: Path) -> None:
 class SshTestHosts:
     """``count`` sshd test hosts with ``slots`` slots each."""
 
-    def __init__(self, count: int = 2, slots: int = 1):
+    def __init__(self, count: int = 2, slots: int = 1,
+                 session_env: dict[str, dict[str, str]] | None = None):
+        """``session_env``: address -> variables sshd sets in that host's sessions (its
+        ``SetEnv``), to give one host a different environment (e.g. other package versions)."""
         self.addresses = [f"127.0.0.{i + 2}" for i in range(count)]
         self.slots = slots
+        self.session_env = session_env or {}
         self.procs: list[subprocess.Popen] = []
         self.dir: Path | None = None
 
@@ -103,7 +107,9 @@ class SshTestHosts:
                 f"ListenAddress {address}", f"Port {self.port}", f"HostKey {host_key}",
                 f"AuthorizedKeysFile {authorized}", "PermitRootLogin prohibit-password",
                 "PasswordAuthentication no", "KbdInteractiveAuthentication no", "UsePAM no",
-                "StrictModes no", f"PidFile {self.dir}/sshd_{address}.pid", ""]))
+                "StrictModes no", f"PidFile {self.dir}/sshd_{address}.pid",
+                *[f"SetEnv {k}={v}" for k, v in self.session_env.get(address, {}).items()],
+                ""]))
             with open(self.dir / f"sshd_{address}.log", "w") as log:
                 self.procs.append(subprocess.Popen(
                     [SSHD, "-D", "-e", "-f", str(config)], stdout=subprocess.DEVNULL,

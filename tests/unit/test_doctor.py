@@ -190,3 +190,12 @@ def test_doctor_on_a_gpu_machine_whose_horovod_lacks_nccl(tmp_path):
         in proc.stderr
     assert "HVDTRAIN_GPU=1 make setup" in proc.stderr
     assert "status:             ok" in proc.stdout
+
+
+def test_doctor_finds_horovodrun_beside_its_python_without_the_venv_on_path():
+    # .venv/bin/hvdtrain doctor with a PATH that lacks .venv/bin (a user who did not activate)
+    bindir = Path(sys.executable).parent
+    proc = subprocess.run([str(bindir / "hvdtrain"), "doctor"], capture_output=True, text=True,
+                          timeout=300, env={"PATH": "/usr/bin:/bin", "HOME": os.environ["HOME"]})
+    assert proc.returncode == 0, proc.stderr
+    assert "status:             ok" in proc.stdout
