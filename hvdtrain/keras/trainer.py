@@ -379,6 +379,9 @@ def fit(cfg: TrainConfig) -> dict:
     except ValueError as exc:
         raise SystemExit(f"hvdtrain: error: --device {cfg.device}: {exc}") from None
     setup_logging(info.rank)
+    warning = runtime.slurm_hosts_warning(info.hosts)
+    if warning and info.is_root:
+        log.warning(warning)
     policy = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy(PRECISION_POLICIES[cfg.precision])
     try:
