@@ -105,7 +105,7 @@ def test_cuda_checkpoint_resumes_on_the_cpu(tmp_path, gpu_visible):
         run(train(tmp_path, "--device", "cpu", "--resume", epochs=4))
     m = metrics(tmp_path)
     check_run(m, "cpu")
-    assert m["resumed_from"] == {"epoch": 2, "size": 1, "global_batch": 16}
+    assert m["resumed_from"] == {"epoch": 2, "size": 1, "global_batch": 16, "batch": 0}
     assert [e["epoch"] for e in m["epochs"]] == [1, 2, 3, 4]
     assert m["epochs"][:2] == written["epochs"]  # the GPU epochs, carried over
     assert m["epochs"][3]["train_loss"] < m["epochs"][1]["train_loss"]  # went on learning

@@ -138,7 +138,7 @@ def test_resume_at_another_world_size_rescales_the_lr(tmp_path, framework):
     run(train(tmp_path, "--epochs", "3", "--warmup-epochs", "0", "--resume", "--no-progress",
               np_=1, framework=framework))
     m = metrics(tmp_path)
-    assert m["resumed_from"] == {"epoch": 2, "size": 2, "global_batch": 32}
+    assert m["resumed_from"] == {"epoch": 2, "size": 2, "global_batch": 32, "batch": 0}
     assert m["size"] == 1 and m["global_batch"] == 16
     lrs = [e["lr"] for e in m["epochs"]]
     assert lrs[:2] == pytest.approx([0.04, 0.04]) and lrs[2] == pytest.approx(0.02)
