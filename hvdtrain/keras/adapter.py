@@ -35,8 +35,8 @@ from keras import ops
 from hvdtrain import runtime, schedule
 from hvdtrain.accumulation import check_distribute_args
 from hvdtrain.keras import _backend as B
-from hvdtrain.keras.optimizer import (NonFiniteGuard, PreemptFlags, WarmupSchedule, _Allreduce,
-                                      _LossScaleHooks, inner, zero_accumulators)
+from hvdtrain.keras.optimizer import (NonFiniteGuard, WarmupSchedule, _Allreduce, _LossScaleHooks,
+                                      inner, zero_accumulators)
 
 _OPS = {"average": "average"}
 NONFINITE_MODES = ("skip", "stop")
@@ -250,10 +250,6 @@ def distribute(model: keras.Model, optimizer: keras.optimizers.Optimizer, *,
        optimizer step on every rank (:class:`NonFiniteGuard`); ``"stop"`` then ends ``fit``
        with :class:`~hvdtrain.runtime.NonFiniteLossError` (raised by the callback that
        :func:`callbacks` adds).
-    6. Preemption flags: two numbers more ride in each step's all-reduce
-       (``optimizer.hvdtrain_preempt``, :class:`~hvdtrain.keras.optimizer.PreemptFlags`), so
-       ``hvdtrain train`` stops every rank after the same step when any rank got SIGTERM or
-       SIGUSR1 (:mod:`hvdtrain.preempt`).
 
     Compile the model with the returned optimizer and without XLA (Horovod's operations have no
     XLA kernels): ``model.compile(optimizer=optimizer, ..., jit_compile=False)``. Embedding
@@ -331,10 +327,8 @@ def _distribute(model, optimizer, backward_passes_per_step, lr_scaling, compress
     guard = NonFiniteGuard(on_nonfinite, B.hvd.size()) if on_nonfinite else None
     # Under a loss-scale optimizer only finite gradients reach the inner optimizer: the global
     # check happens before it (_LossScaleHooks), which also feeds the guard.
-    preempt_flags = PreemptFlags()
     hooks = _Allreduce(owner, compression, float(gradient_predivide_factor),
-                       guard if owner is optimizer else None, B.hvd.rank(), B.hvd.size(),
-                       preempt_flags)
+                       guard if owner is optimizer else None, B.hvd.rank(), B.hvd.size())
     if owner is not optimizer:
         optimizer.hvdtrain_loss_scale = _LossScaleHooks(optimizer, guard, B.hvd.rank(),
                                                         B.hvd.size())
@@ -345,7 +339,6 @@ def _distribute(model, optimizer, backward_passes_per_step, lr_scaling, compress
     optimizer.hvdtrain_lr_scale = factor
     optimizer.backward_passes_per_step = k
     optimizer.hvdtrain_allreduce = hooks
-    optimizer.hvdtrain_preempt = preempt_flags
     if guard is not None:
         optimizer.hvdtrain_nonfinite = guard
     return model, optimizer

@@ -140,7 +140,8 @@ class PreemptFlags:
     ``requested`` (the trainer's callback does, when a signal came), and after the step
     ``agreed`` holds the sum over ranks, kept once set. ``agreed`` is equal on every rank after
     every step, so all ranks stop after the same one. Two numbers more in an all-reduce the step
-    runs anyway: no extra collective.
+    runs anyway: no extra collective. ``hvdtrain train`` installs them
+    (``optimizer.hvdtrain_allreduce.preempt = PreemptFlags()``, before ``fit`` traces the step).
 
     Attributes:
         requested: variable ``(2,)`` float32, this rank's flags.
@@ -167,10 +168,10 @@ class _Allreduce:
     """
 
     def __init__(self, optimizer, compression: str, predivide: float,
-                 guard: NonFiniteGuard | None, rank: int, size: int,
-                 preempt: PreemptFlags | None = None):
+                 guard: NonFiniteGuard | None, rank: int, size: int):
         self.opt, self.compression, self.predivide = optimizer, compression, predivide
-        self.guard, self.rank, self.size, self.preempt = guard, rank, size, preempt
+        self.guard, self.rank, self.size = guard, rank, size
+        self.preempt: PreemptFlags | None = None  # set before the step is traced (the trainer)
         cls = type(optimizer)
         self._clip, self._decay = cls._clip_gradients, cls._apply_weight_decay
         self._update = cls._backend_update_step

@@ -25,6 +25,7 @@ from hvdtrain.files import CheckpointError, atomic_path
 from hvdtrain.keras import _backend, adapter, checkpoint, sharding
 from hvdtrain.keras.callbacks import callbacks as fit_callbacks
 from hvdtrain.keras.models import build_model
+from hvdtrain.keras.optimizer import PreemptFlags
 from hvdtrain.report import EpochMetrics, RunReport, run_header, setup_logging
 
 WEIGHTS_FILE = "checkpoint.weights.h5"
@@ -446,7 +447,8 @@ def _fit(cfg: TrainConfig, info) -> dict:
     callbacks = fit_callbacks(optimizer, warmup_epochs=cfg.warmup_epochs,
                               steps_per_epoch=steps_per_epoch)
     signals = preempt.Preemption()
-    preemption = _Preemption(optimizer.hvdtrain_preempt, k, signals)
+    flags = optimizer.hvdtrain_allreduce.preempt = PreemptFlags()  # in the gradient all-reduce
+    preemption = _Preemption(flags, k, signals)
     state = {"info": info, "x_test": x_test, "y_test": split.y_test, "out": out, "k": k,
              "batch_size": cfg.batch_size, "micro_per_epoch": micro_per_epoch,
              "report": report, "warmup": callbacks[-1], "preemption": preemption,
