@@ -88,3 +88,122 @@ def test_mpijob_runs_hvdtrain_with_horovods_mpirun_flags():
     assert command[0] == "mpirun" and "-bind-to none -map-by slot" in joined
     assert "-np 4" in joined and specs["Worker"]["replicas"] * 2 == 4
     assert command[command.index("hvdtrain"):][:2] == ["hvdtrain", "train"]
+
+
+def _dockerignored(path, patterns):
+    """Whether docker's (and podman's) .dockerignore rules leave PATH out of the build context:
+    a pattern matches the path or one of its parent directories; `*` stays within one path
+    element, `**` crosses them; a later `!pattern` brings a path back."""
+    def regex(pattern):
+        out, i = "", 0
+        while i < len(pattern):
+            if pattern.startswith("**/", i):
+                out, i = out + "(?:.*/)?", i + 3
+            elif pattern.startswith("**", i):
+                out, i = out + ".*", i + 2
+            elif pattern[i] == "*":
+                out, i = out + "[^/]*", i + 1
+            elif pattern[i] == "?":
+                out, i = out + "[^/]", i + 1
+            else:
+                out, i = out + re.escape(pattern[i]), i + 1
+        return re.compile(out + r"\Z")
+
+    parts = path.split("/")
+    prefixes = ["/".join(parts[:n]) for n in range(1, len(parts) + 1)]
+    excluded = False
+    for pattern in patterns:
+        keep = pattern.startswith("!")
+        rx = regex(pattern.lstrip("!").strip("/"))
+        if any(rx.match(p) for p in prefixes):
+            excluded = not keep
+    return excluded
+
+
+def test_dockerignore_leaves_out_the_hosts_venv_git_and_runs():
+    """Without .dockerignore, `COPY . .` took the host's .venv into the image and the build failed
+    (../shared/DESIGN.md, "Containers without a registry")."""
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    patterns = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    for path in (".venv", ".venv/bin/python3.11", ".git", ".git/HEAD", "runs",
+                 "runs/demo-torch/metrics.json", "hvdtrain/__pycache__/cli.cpython-311.pyc",
+                 ".pytest_cache/v/cache/nodeids"):
+        assert _dockerignored(path, patterns), path
+    # What the images' build and runs need stays in.
+    for path in ("setup.py", "README.md", "requirements/constraints.txt", "scripts/setup.sh",
+                 "scripts/patch_horovod.sh", "hvdtrain/__init__.py", "hvdtrain/torch/__init__.py",
+                 "hostfiles/two-hosts.txt", "tests/unit/test_docker.py", "docker/Dockerfile.cpu"):
+        assert not _dockerignored(path, patterns), path
+
+
+def _stages(text):
+    """The Dockerfile's stages: [(FROM line, the lines up to the next FROM)], comments dropped."""
+    stages = []
+    for line in re.sub(r"\\\n", " ", text).splitlines():
+        if line.startswith("FROM "):
+            stages.append((line, []))
+        elif stages and line.strip() and not line.lstrip().startswith("#"):
+            stages[-1][1].append(line)
+    return stages
+
+
+def _apt_packages(lines):
+    packages = []
+    for line in lines:
+        for m in re.finditer(r"apt-get install ([^&]*)", line):
+            packages += [w for w in m.group(1).split() if not w.startswith("-")]
+    return packages
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.gpu"])
+def test_runtime_stage_has_the_venv_and_no_build_tools_or_build_arguments(name):
+    """Multi-stage: setup.sh builds in the first stage; the image is the last one, which gets the
+    venv at the path it was made for and installs runtime packages only."""
+    stages = _stages((DOCKER / name).read_text())
+    assert len(stages) == 2, [frm for frm, _ in stages]
+    (build_from, build), (runtime_from, runtime) = stages
+    assert build_from.endswith(" AS build") and runtime_from.endswith(" AS runtime")
+    assert any("bash scripts/setup.sh" in line for line in build)
+    assert not any("scripts/setup.sh" in line for line in runtime)
+    assert "COPY --from=build /opt/hvdtrain/.venv /opt/hvdtrain/.venv" in runtime
+    assert "WORKDIR /opt/hvdtrain" in build and "WORKDIR /opt/hvdtrain" in runtime
+    packages = _apt_packages(runtime)
+    assert {"openmpi-bin", "openssh-client", "openssh-server"} <= set(packages)
+    tools = [p for p in packages
+             if p in {"g++", "gcc", "make", "cmake", "git", "build-essential"} or p.endswith("-dev")]
+    assert tools == []
+    assert not any(line.startswith("ARG PIP_") for line in runtime)
+    assert not [n for n in _env_names((DOCKER / name).read_text()) if n.startswith("PIP_")]
+    if name == "Dockerfile.cpu":  # the venv's python is the base image's: the same base
+        assert build_from.split()[1] == runtime_from.split()[1]
+    else:  # the same CUDA and Ubuntu, devel to build, runtime to run
+        assert build_from.split()[1].replace("-devel-", "-runtime-") == runtime_from.split()[1]
+
+
+def test_compose_waits_for_node2s_sshd_and_ends_with_node1():
+    text = (DOCKER / "compose.yaml").read_text()
+    services = yaml.safe_load(text)["services"]
+    # No one-shot service: its exit would end `up --abort-on-container-exit` early.
+    assert set(services) == {"node1", "node2"}
+    assert services["node1"]["depends_on"]["node2"]["condition"] == "service_healthy"
+    assert "ssh-keyscan" in " ".join(services["node2"]["healthcheck"]["test"])  # sshd answers
+    assert "ssh-keygen" in services["node2"]["command"]
+    assert "--exit-code-from node1" in text and "--abort-on-container-exit" not in text
+    assert "--output-dir /out" in services["node1"]["command"]
+    assert any(v.endswith(":/out") for v in services["node1"]["volumes"])
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.gpu"])
+def test_build_stage_copies_what_setup_sh_reads(name):
+    """The build stage runs setup.sh before the rest of the project is copied (so that editing the
+    code does not rebuild the stack): every file setup.sh reads from the checkout must be there."""
+    (_, build), _ = _stages((DOCKER / name).read_text())
+    copied = []
+    for line in build:
+        if line.startswith("COPY ") and "--from" not in line:
+            copied += line.split()[1:-1]
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    read = set(re.findall(r"\$ROOT/([A-Za-z0-9_./-]+)", setup)) - {".venv"}  # .venv: its output
+    assert {"requirements/constraints.txt", "scripts/patch_horovod.sh", "setup.py"} <= read
+    for path in sorted(read | {"scripts/setup.sh", "hvdtrain/__init__.py"}):
+        assert any(path == c or (c.endswith("/") and path.startswith(c)) for c in copied), path
