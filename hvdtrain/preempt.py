@@ -12,8 +12,11 @@ seen]`` to an all-reduce (PyTorch: a 2-element tensor submitted asynchronously w
 gradients; Keras: two more numbers in the step's grouped gradient all-reduce), and all ranks stop
 after the step in which any rank saw a signal. No rank waits for an extra collective.
 
-After the mid-epoch checkpoint, the process exits with :data:`EXIT_PREEMPTED` (75,
-``EX_TEMPFAIL`` of sysexits.h: "try again later"), not 0, so that Kubernetes' ``OnFailure``
+After the mid-epoch checkpoint, every rank exits with :data:`EXIT_PREEMPTED` (75,
+``EX_TEMPFAIL`` of sysexits.h: "try again later"), not 0 (what the launcher then returns: 75
+from mpirun and horovodrun over MPI; horovodrun with Gloo turns any rank failure into 1; srun
+with ``--kill-on-bad-exit`` may report the signal it ended the last ranks with; ``metrics.json``'s
+``preempted`` is the record to trust), so that Kubernetes' ``OnFailure``
 restart policy and wrapper scripts restart it; ``--resume auto`` then continues from the
 checkpoint. On ``SIGUSR1`` inside a Slurm batch job rank 0 also runs ``scontrol requeue
 $SLURM_JOB_ID`` (as PyTorch Lightning's ``SLURMEnvironment`` does), unless ``--no-requeue``;
@@ -34,6 +37,29 @@ EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: stopped on a signal after a check
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # the order of the flags in flags()
 
 
+# The options that fix which samples each micro-batch holds: a mid-epoch checkpoint continues at
+# its micro-batch only when they (and the world size) are what they were.
+POSITION_FIELDS = ("dataset", "synthetic_samples", "test_fraction", "seed", "batch_size",
+                   "backward_passes_per_step")
+
+
+def mid_epoch_mismatch(saved_config: dict | None, saved_size: int, cfg, size: int) -> str | None:
+    """Why a mid-epoch checkpoint cannot continue at its micro-batch in this run (the shards or
+    the data order would differ), or None when it can.
+
+    Args:
+        saved_config: the checkpoint's ``TrainConfig.to_dict()``.
+        saved_size: the world size it was made with.
+        cfg: this run's ``TrainConfig``; size: this run's world size.
+    """
+    if saved_size != size:
+        return f"it was made with {saved_size} ranks and this run has {size}"
+    saved = saved_config or {}
+    diffs = [f"--{name.replace('_', '-')} {saved.get(name)!r} -> {getattr(cfg, name)!r}"
+             for name in POSITION_FIELDS if saved.get(name) != getattr(cfg, name)]
+    return "options that fix the data order changed: " + ", ".join(diffs) if diffs else None
+
+
 class Preempted(SystemExit):
     """Raised on every rank after the preemption checkpoint is written; its exit code is
     :data:`EXIT_PREEMPTED`.
@@ -41,8 +67,8 @@ class Preempted(SystemExit):
     Attributes:
         signal_name: ``"SIGTERM"`` or ``"SIGUSR1"`` (the first that any rank saw; SIGUSR1 wins
             when both were seen).
-        seconds: seconds from the signal (on rank 0, or on the rank that first saw it when rank
-            0 saw none, approximately) to the end of the checkpoint.
+        seconds: seconds from the earliest signal any rank saw to the end of the checkpoint
+            (the largest of the ranks' own measurements).
     """
 
     def __init__(self, signal_name: str, seconds: float | None):
@@ -70,7 +96,9 @@ class Preemption:
         self.seen.setdefault(signum, time.monotonic())
 
     def __enter__(self) -> "Preemption":
-        if self.enabled:
+        """Install the handlers (once: entering again, e.g. after an early install, is a
+        no-op)."""
+        if self.enabled and not self._previous:
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self

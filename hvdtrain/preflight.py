@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -230,12 +231,13 @@ def run_allreduce(np_: int, hostfile: Hostfile, *, timeout_s: float = 120.0,
                                   network_interfaces=network_interfaces)
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         started = time.monotonic()
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
-            proc = subprocess.run(argv, env=env, capture_output=True, text=True,
-                                  timeout=timeout_s, stdin=subprocess.DEVNULL,
-                                  start_new_session=True)
+            stdout, stderr = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            subprocess.run(["pkill", "-f", tmp], capture_output=True)
+            os.killpg(proc.pid, signal.SIGKILL)  # horovodrun and what it started here
+            proc.communicate()
             return Check("all", "allreduce", False,
                          f"no result within {timeout_s:.0f} s: the ranks hang at start, the "
                          "classic multi-host hang", "pass --network-interfaces with an interface"
@@ -245,7 +247,7 @@ def run_allreduce(np_: int, hostfile: Hostfile, *, timeout_s: float = 120.0,
         result = _read_result(out, hostfile, ssh_port, ssh_identity_file)
     expected = np_ * (np_ + 1) / 2
     if result is None or proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        tail = (stderr or stdout).strip().splitlines()[-3:]
         return Check("all", "allreduce", False, f"the job failed (exit {proc.returncode}): "
                      + " | ".join(tail), "run the command printed by 'hvdtrain launch --dry-run' "
                      "by hand to see the whole error")
@@ -257,13 +259,20 @@ def run_allreduce(np_: int, hostfile: Hostfile, *, timeout_s: float = 120.0,
 
 
 def _read_result(out: str, hostfile: Hostfile, port, identity) -> dict | None:
-    """Rank 0's file: here when rank 0 ran here, else read from the first host over ssh."""
-    if os.path.exists(out):
-        return json.loads(Path(out).read_text())
-    first = hostfile.hosts[0].name
-    proc = subprocess.run(ssh_argv(first, ["cat", out], port, identity), capture_output=True,
-                          text=True, timeout=SSH_TIMEOUT_S + 10, stdin=subprocess.DEVNULL)
-    return json.loads(proc.stdout) if proc.returncode == 0 and proc.stdout.strip() else None
+    """Rank 0's file: here when rank 0 ran here, else read (and removed) on the first host, where
+    rank 0 runs, over ssh. None when it cannot be read."""
+    try:
+        if os.path.exists(out):
+            return json.loads(Path(out).read_text())
+        first = hostfile.hosts[0].name
+        proc = subprocess.run(ssh_argv(first, ["cat", out], port, identity),
+                              capture_output=True, text=True, timeout=SSH_TIMEOUT_S + 10,
+                              stdin=subprocess.DEVNULL)
+        subprocess.run(ssh_argv(first, ["rm", "-rf", str(Path(out).parent)], port, identity),
+                       capture_output=True, timeout=SSH_TIMEOUT_S + 10, stdin=subprocess.DEVNULL)
+        return json.loads(proc.stdout) if proc.returncode == 0 and proc.stdout.strip() else None
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
 
 
 def run_checks(hostfile: Hostfile, np_: int, *, ssh_port: int | None = None,
@@ -299,7 +308,12 @@ def run_checks(hostfile: Hostfile, np_: int, *, ssh_port: int | None = None,
                                 "install the project at the same path on every host (the "
                                 "launchers start the same command everywhere)"))
             continue
-        facts[host.name] = json.loads(proc.stdout)
+        try:  # the last line: a shell start-up file may print before it
+            facts[host.name] = json.loads(proc.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            checks.append(Check(host.name, "versions", False, "the probe's output is not JSON: "
+                                f"{proc.stdout.strip()[-200:]!r}", "make the remote shell's "
+                                "start-up files print nothing for non-interactive sessions"))
     for host, there in facts.items():
         if there is not here:
             checks.append(compare_versions(host, here, there))
@@ -337,7 +351,8 @@ def _allreduce_main(out: str) -> int:
                           name="hvdtrain.preflight")
     hosts = hvd.allreduce(torch.tensor([float(hvd.local_rank() == 0)]), op=hvd.Sum,
                           name="hvdtrain.preflight.hosts")
-    if hvd.rank() == 0:
+    if hvd.rank() == 0:  # on the first host, which may not be the one that launched
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps({"size": hvd.size(), "sum": float(total[0]),
                                          "hosts": int(hosts[0])}))
     return 0

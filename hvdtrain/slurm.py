@@ -34,6 +34,8 @@ def _split_top(text: str) -> list[str]:
     for i, ch in enumerate(text):
         if ch == "[":
             depth += 1
+            if depth > 1:
+                raise ValueError(f"Slurm node list {text!r} has nested brackets")
         elif ch == "]":
             depth -= 1
         elif ch == "," and depth == 0:
@@ -49,8 +51,8 @@ def expand_nodelist(nodelist: str) -> list[str]:
     of a range is kept (``[08-10]`` -> 08, 09, 10).
 
     Raises:
-        ValueError: an empty list, unbalanced brackets, or a range that is not ``lo-hi`` with
-            ``lo <= hi``; the message quotes the list.
+        ValueError: an empty list, unbalanced or nested brackets, or a range that is not
+            ``lo-hi`` with ``lo <= hi``; the message quotes the list.
     """
     text = nodelist.strip()
     if not text:
@@ -58,7 +60,7 @@ def expand_nodelist(nodelist: str) -> list[str]:
     if text.count("[") != text.count("]"):
         raise ValueError(f"Slurm node list {nodelist!r} has unbalanced brackets")
     hosts: list[str] = []
-    for part in _split_top(text):
+    for part in (p.strip() for p in _split_top(text)):
         if not part:
             raise ValueError(f"Slurm node list {nodelist!r} has an empty entry")
         hosts += _expand_one(part, nodelist)

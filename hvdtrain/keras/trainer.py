@@ -133,6 +133,7 @@ def _resume(cfg: TrainConfig, info, model, optimizer) -> dict:
             runtime.set_python_numpy_rng_state(record["rng"])
             meta = {k: record[k] for k in ("epoch", "step", "size", "global_batch", "metrics")}
             meta["counters"] = record.get("counters", {})
+            meta["config"] = record.get("config")
             meta["batch"] = record.get("batch") or 0
             meta["partial_per_rank"] = record.get("partial_per_rank")
         except FileNotFoundError:
@@ -337,6 +338,9 @@ def _preempted(s: dict, model, epoch_end: _EpochEnd, signals: preempt.Preemption
                     "--resume auto", stopped["signal"], step, stopped["epoch"] + 1,
                     stopped["batch"], seconds or 0.0,
                     preempt.requeue(stopped["signal"], cfg.requeue), preempt.EXIT_PREEMPTED)
+    # The other ranks wait for rank 0's report and requeue: launchers end the whole job when the
+    # first rank exits.
+    _backend.broadcast_object(None, root_rank=0, name="hvdtrain.preempt.done")
     raise preempt.Preempted(stopped["signal"], seconds)
 
 
@@ -393,6 +397,7 @@ def fit(cfg: TrainConfig) -> dict:
 
 def _fit(cfg: TrainConfig, info) -> dict:
     """:func:`fit` after ``init`` and the precision policy."""
+    signals = preempt.Preemption().__enter__()  # a signal from here on stops after a step
     split, x_train, x_test = load_nhwc(cfg)
     k = cfg.backward_passes_per_step
     micro_per_epoch = sharding.micro_batches_per_epoch(len(x_train), cfg.batch_size, info.size, k)
@@ -411,15 +416,17 @@ def _fit(cfg: TrainConfig, info) -> dict:
     # A mid-epoch checkpoint (preemption) continues at its micro-batch at the same world size;
     # at another size the shards differ and the interrupted epoch restarts.
     start_micro = resumed["batch"] if resumed else 0
-    if start_micro and resumed["size"] != info.size:
-        log.warning("the checkpoint was made %d micro-batches into epoch %d with %d ranks; with "
-                    "%d ranks the shards differ, so that epoch restarts", start_micro,
-                    start_epoch + 1, resumed["size"], info.size)
+    why = start_micro and preempt.mid_epoch_mismatch(resumed["config"], resumed["size"], cfg,
+                                                     info.size)
+    if why:
+        log.warning("the checkpoint was made %d micro-batches into epoch %d, but %s: that epoch "
+                    "restarts", start_micro, start_epoch + 1, why)
         start_micro = 0
     # The data stream starts at this run's position, nothing is replayed. At the checkpoint's
     # world size the restored optimizer counter is exact (fp16 skips and an open accumulation
-    # group included); at another size the position is recomputed and the group starts empty.
-    if resumed and resumed["size"] != info.size:
+    # group included); at another size (or a restarted epoch) the position is recomputed and the
+    # group starts empty.
+    if resumed and (resumed["size"] != info.size or why):
         adapter.set_micro_batch_count(optimizer, start_epoch * micro_per_epoch, reset_groups=True)
     _restore_counters(optimizer, resumed["counters"] if resumed else {})
     train_loss = TrainLoss(optimizer, k, info.rank, cfg.fault())
@@ -446,7 +453,6 @@ def _fit(cfg: TrainConfig, info) -> dict:
                  resumed["size"], resumed["global_batch"])
     callbacks = fit_callbacks(optimizer, warmup_epochs=cfg.warmup_epochs,
                               steps_per_epoch=steps_per_epoch)
-    signals = preempt.Preemption()
     flags = optimizer.hvdtrain_allreduce.preempt = PreemptFlags()  # in the gradient all-reduce
     preemption = _Preemption(flags, k, signals)
     state = {"info": info, "x_test": x_test, "y_test": split.y_test, "out": out, "k": k,

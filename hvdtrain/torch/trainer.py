@@ -57,7 +57,7 @@ def _resume(cfg: TrainConfig, info, model, optimizer) -> dict | None:
                 for group in optimizer.param_groups:  # this run's --lr is the base to scale
                     group["hvdtrain_base_lr"] = cfg.lr
                 meta = {k: payload[k] for k in ("epoch", "step", "size", "global_batch",
-                                                "metrics")}
+                                                "metrics", "config")}
                 for key in ("scaler", "batch", "partial_per_rank", "counters"):
                     meta[key] = payload.get(key)
                 meta["rng"] = payload.get("rng_per_rank") or [payload["rng"]]
@@ -159,6 +159,7 @@ def fit(cfg: TrainConfig) -> dict:
     except ValueError as exc:
         raise SystemExit(f"hvdtrain: error: --device {cfg.device}: {exc}") from None
     setup_logging(info.rank)
+    signals = preempt.Preemption().__enter__()  # a signal from here on stops after a step
     warning = runtime.slurm_hosts_warning(info.hosts)
     if warning and info.is_root:
         log.warning(warning)
@@ -195,10 +196,11 @@ def fit(cfg: TrainConfig) -> dict:
     # A mid-epoch checkpoint (preemption) continues at its micro-batch, at the same world size;
     # at another size the shards differ, so the interrupted epoch restarts from its beginning.
     start_batch = resumed.get("batch") or 0 if resumed else 0
-    if start_batch and resumed["size"] != info.size:
-        log.warning("the checkpoint was made %d micro-batches into epoch %d with %d ranks; with "
-                    "%d ranks the shards differ, so that epoch restarts", start_batch,
-                    start_epoch + 1, resumed["size"], info.size)
+    why = start_batch and preempt.mid_epoch_mismatch(resumed["config"], resumed["size"], cfg,
+                                                     info.size)
+    if why:
+        log.warning("the checkpoint was made %d micro-batches into epoch %d, but %s: that epoch "
+                    "restarts", start_batch, start_epoch + 1, why)
         _restore_rng(resumed, info.rank)
         start_batch = 0
     # This rank's share of the interrupted epoch's sums (same world size, so same ranks).
@@ -243,7 +245,7 @@ def fit(cfg: TrainConfig) -> dict:
                 "counters": {"skipped": skipped, "overflows": overflows},
                 "metrics": [vars(e) for e in epochs]})
 
-    with preempt.Preemption() as signals:
+    with signals:
         for epoch in range(start_epoch, cfg.epochs):
             skip = start_batch if epoch == start_epoch else 0
             sampler.set_epoch(epoch)
@@ -365,8 +367,9 @@ def fit(cfg: TrainConfig) -> dict:
 def _preempted(save, signals: preempt.Preemption, agreed: str, report: RunReport, info, cfg,
                where: dict) -> None:
     """After the step in which some rank saw SIGTERM/SIGUSR1: write the mid-epoch checkpoint
-    (rank 0; every rank waits for it), record the stop in ``metrics.json``, requeue under Slurm,
-    and raise :class:`~hvdtrain.preempt.Preempted` on every rank."""
+    (rank 0), record the stop in ``metrics.json`` and requeue under Slurm (rank 0), then raise
+    :class:`~hvdtrain.preempt.Preempted` on every rank. The other ranks wait for rank 0 to have
+    done all that: launchers end the whole job when the first rank exits."""
     save(where["epoch"], where["batch"], where["partial"], report.epochs)
     waited = hvd.allgather_object(signals.seconds_since_signal(), name="hvdtrain.preempt.saved")
     seconds = max((w for w in waited if w is not None), default=None)
@@ -379,4 +382,5 @@ def _preempted(save, signals: preempt.Preemption, agreed: str, report: RunReport
                     "the checkpoint %.2f s after the signal; %s; exit %d, continue with "
                     "--resume auto", agreed, where["step"], where["epoch"] + 1, where["batch"],
                     seconds or 0.0, preempt.requeue(agreed, cfg.requeue), preempt.EXIT_PREEMPTED)
+    hvd.broadcast_object(None, root_rank=0, name="hvdtrain.preempt.done")
     raise preempt.Preempted(agreed, seconds)

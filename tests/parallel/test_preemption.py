@@ -79,3 +79,38 @@ def test_resume_auto_without_a_checkpoint_starts_fresh(tmp_path, framework):
     m = metrics(tmp_path)
     assert m["resumed_from"] is None and len(m["epochs"]) == 1
     assert "--resume auto: no checkpoint" in Console.of(proc).text
+
+
+def test_hvdtrain_launch_passes_sigusr1_on_to_the_ranks(tmp_path):
+    # mpirun hands SIGUSR1 to its ranks; hvdtrain launch must hand it to mpirun, not die of it.
+    import subprocess
+    import sys
+
+    from jobs import BIN, job_env
+    rank = tmp_path / "rank.py"
+    got = tmp_path / "got-usr1"
+    rank.write_text("import signal, time, pathlib\n"
+                    f"signal.signal(signal.SIGUSR1, lambda *a: pathlib.Path({str(got)!r})"
+                    ".write_text('yes'))\n"
+                    f"pathlib.Path({str(tmp_path / 'ready')!r}).write_text('')\n"
+                    "deadline = time.time() + 60\n"
+                    f"while not pathlib.Path({str(got)!r}).exists() and time.time() < deadline:\n"
+                    "    time.sleep(0.05)\n")
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=1\n")
+    proc = subprocess.Popen([str(BIN / "hvdtrain"), "launch", "--launcher", "mpirun",
+                             "--hostfile", str(hostfile), "--", sys.executable, str(rank)],
+                            env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "ready").exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        import os
+        os.kill(proc.pid, signal.SIGUSR1)  # the launcher, as sbatch --signal=B:USR1 does
+        assert proc.wait(timeout=120) == 0, proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert got.read_text() == "yes"

@@ -17,6 +17,8 @@ from hvdtrain.hostfile import HostfileError
     ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
     ("node-a.example.org", ["node-a.example.org"]),
     ("c[1,3],d5,e[10-11]", ["c1", "c3", "d5", "e10", "e11"]),
+    ("node1, node2", ["node1", "node2"]),
+    ("a[1-2]-b", ["a1-b", "a2-b"]),
 ])
 def test_expand_nodelist(nodelist, hosts):
     assert slurm.expand_nodelist(nodelist) == hosts
@@ -28,6 +30,7 @@ def test_expand_nodelist(nodelist, hosts):
     ("node[3-1]", "range '3-1' runs backwards"),
     ("node[a-b]", "'a-b' is not a number or a range lo-hi"),
     ("a,,b", "has an empty entry"),
+    ("x[1,[2-3]]", "nested brackets"),
 ])
 def test_expand_nodelist_errors(nodelist, message):
     with pytest.raises(ValueError, match=message):
@@ -137,6 +140,19 @@ def test_only_rank_0_prints_input_errors_under_srun(clean_launcher_env, capsys, 
         assert main(["train", "--epochs", "0", "--output-dir", str(tmp_path)]) == 2
         err = capsys.readouterr().err
         assert ("--epochs must be a whole number >= 1" in err) == (rank == "0")
+
+
+def test_mid_epoch_position_needs_the_same_data_order():
+    from hvdtrain import preempt
+    from hvdtrain.config import TrainConfig
+    cfg = TrainConfig(batch_size=16, backward_passes_per_step=2)
+    saved = cfg.to_dict()
+    assert preempt.mid_epoch_mismatch(saved, 2, cfg, 2) is None
+    assert preempt.mid_epoch_mismatch(saved, 2, cfg, 4) == \
+        "it was made with 2 ranks and this run has 4"
+    other = TrainConfig(batch_size=32, backward_passes_per_step=2, seed=7)
+    assert preempt.mid_epoch_mismatch(saved, 2, other, 2) == (
+        "options that fix the data order changed: --seed 42 -> 7, --batch-size 16 -> 32")
 
 
 def test_slurm_hosts_warning():
