@@ -127,6 +127,22 @@ def agreed_signal(summed: list[float]) -> str | None:
     return None
 
 
+def record_stop(report, signal_name: str, epoch: int, batch: int, step: int,
+                seconds: float | None, requeue_enabled: bool, is_root: bool) -> None:
+    """What both trainers do once the mid-epoch checkpoint is written: put ``preempted`` into
+    ``metrics.json`` (``report``, a :class:`~hvdtrain.report.RunReport`), and on rank 0 write it,
+    requeue under Slurm (:func:`requeue`) and log one line. ``epoch`` is 1-based, ``batch`` the
+    micro-batches of it trained, ``seconds`` from the earliest signal to the checkpoint."""
+    report.header["preempted"] = {"signal": signal_name, "epoch": epoch, "batch": batch,
+                                  "step": step, "seconds_to_checkpoint": seconds}
+    if is_root:
+        report.write()
+        log.warning("%s: stopped after optimizer step %d (epoch %d, micro-batch %d) and saved "
+                    "the checkpoint %.2f s after the signal; %s; exit %d, continue with "
+                    "--resume auto", signal_name, step, epoch, batch, seconds or 0.0,
+                    requeue(signal_name, requeue_enabled), EXIT_PREEMPTED)
+
+
 def requeue(signal_name: str, enabled: bool, env: dict[str, str] | None = None) -> str:
     """After the preemption checkpoint, on rank 0: requeue a Slurm batch job that got
     ``SIGUSR1`` (``scontrol requeue $SLURM_JOB_ID``). Never raises.

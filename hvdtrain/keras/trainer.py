@@ -328,16 +328,8 @@ def _preempted(s: dict, model, epoch_end: _EpochEnd, signals: preempt.Preemption
                                        name="hvdtrain.preempt.saved")
     seconds = max((w for w in waited if w is not None), default=None)
     step = int(ops.convert_to_numpy(s["optimizer"].iterations))
-    s["report"].header["preempted"] = {"signal": stopped["signal"], "epoch": stopped["epoch"] + 1,
-                                       "batch": stopped["batch"], "step": step,
-                                       "seconds_to_checkpoint": seconds}
-    if info.is_root:
-        s["report"].write()
-        log.warning("%s: stopped after optimizer step %d (epoch %d, micro-batch %d) and saved "
-                    "the checkpoint %.2f s after the signal; %s; exit %d, continue with "
-                    "--resume auto", stopped["signal"], step, stopped["epoch"] + 1,
-                    stopped["batch"], seconds or 0.0,
-                    preempt.requeue(stopped["signal"], cfg.requeue), preempt.EXIT_PREEMPTED)
+    preempt.record_stop(s["report"], stopped["signal"], stopped["epoch"] + 1, stopped["batch"],
+                        step, seconds, cfg.requeue, info.is_root)
     # The other ranks wait for rank 0's report and requeue: launchers end the whole job when the
     # first rank exits.
     _backend.broadcast_object(None, root_rank=0, name="hvdtrain.preempt.done")

@@ -373,14 +373,7 @@ def _preempted(save, signals: preempt.Preemption, agreed: str, report: RunReport
     save(where["epoch"], where["batch"], where["partial"], report.epochs)
     waited = hvd.allgather_object(signals.seconds_since_signal(), name="hvdtrain.preempt.saved")
     seconds = max((w for w in waited if w is not None), default=None)
-    report.header["preempted"] = {"signal": agreed, "epoch": where["epoch"] + 1,
-                                  "batch": where["batch"], "step": where["step"],
-                                  "seconds_to_checkpoint": seconds}
-    if info.is_root:
-        report.write()
-        log.warning("%s: stopped after optimizer step %d (epoch %d, micro-batch %d) and saved "
-                    "the checkpoint %.2f s after the signal; %s; exit %d, continue with "
-                    "--resume auto", agreed, where["step"], where["epoch"] + 1, where["batch"],
-                    seconds or 0.0, preempt.requeue(agreed, cfg.requeue), preempt.EXIT_PREEMPTED)
+    preempt.record_stop(report, agreed, where["epoch"] + 1, where["batch"], where["step"], seconds,
+                        cfg.requeue, info.is_root)
     hvd.broadcast_object(None, root_rank=0, name="hvdtrain.preempt.done")
     raise preempt.Preempted(agreed, seconds)
