@@ -16,7 +16,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["hvdtrain", "hvdtrain.*"]),
     # Horovod itself is built by scripts/setup.sh (it needs a C++17 patch for PyTorch >= 2.1).
-    install_requires=["numpy>=1.26", "tqdm>=4.66"],
+    install_requires=["numpy>=1.26", "tqdm>=4.66", "tensorboardX>=2.6", "filelock>=3.12"],
     extras_require={
         # Any build of the framework: CPU or CUDA (requirements/constraints.txt pins this
         # project's CPU stack; GPU images bring their own CUDA PyTorch).

@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 
-from hvdtrain import __version__, runtime
+from hvdtrain import __version__, guard, runtime
 from hvdtrain.config import (COMPRESSIONS, DATASETS, DEVICES, FRAMEWORKS, OPS, PRECISIONS,
                              ConfigError, TrainConfig)
 from hvdtrain.schedule import LR_SCALING_RULES
@@ -85,11 +85,23 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                              "(default: $KERAS_BACKEND, else tensorflow)")
     parser.add_argument("--batchnorm", action="store_true",
                         help="BatchNorm after each convolution (statistics averaged over ranks)")
+    parser.add_argument("--data-dir", default=d.data_dir,
+                        help="--dataset mnist: a directory with the four IDX files (or an .npz "
+                             "with x_train, y_train, x_test, y_test) instead of the cache")
+    parser.add_argument("--tensorboard", action=argparse.BooleanOptionalAction,
+                        default=d.tensorboard,
+                        help="TensorBoard events in OUTPUT_DIR/tensorboard (rank 0): "
+                             "tensorboard --logdir OUTPUT_DIR")
+    parser.add_argument("--log-every", type=int, default=d.log_every,
+                        help="optimizer steps between per-step TensorBoard points")
+    parser.add_argument("--no-divergence-check", dest="divergence_check", action="store_false",
+                        help="train on when the loss or accuracy says the run diverged")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Validate the options, then run the framework's trainer; 0 on success, 2 on bad input, 1
-    when ``--on-nonfinite stop`` stopped the run, 75 (:data:`hvdtrain.preempt.EXIT_PREEMPTED`)
+    when ``--on-nonfinite stop`` or the divergence check (:mod:`hvdtrain.guard`) stopped the
+    run, 75 (:data:`hvdtrain.preempt.EXIT_PREEMPTED`)
     when SIGTERM/SIGUSR1 stopped it after a checkpoint."""
     fields = {k: v for k, v in vars(args).items() if k not in ("command", "func")}
     try:
@@ -108,7 +120,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         from hvdtrain.keras.trainer import fit
     try:
         fit(cfg)
-    except runtime.NonFiniteLossError as exc:  # every rank stops at the same step
+    except (runtime.NonFiniteLossError, guard.DivergenceError) as exc:  # all ranks alike
         return _fail(str(exc), code=1)
     return 0
 

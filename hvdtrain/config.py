@@ -15,7 +15,7 @@ from hvdtrain.schedule import LR_SCALING_RULES
 FRAMEWORKS = ("torch", "keras")
 # Keras 3 backends hvdtrain.keras runs on (KERAS_BACKEND); jax has no Horovod binding.
 KERAS_BACKENDS = ("tensorflow", "torch")
-DATASETS = ("digits", "synthetic")
+DATASETS = ("digits", "mnist", "synthetic")
 COMPRESSIONS = ("none", "fp16")
 OPS = ("average", "adasum")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -32,8 +32,13 @@ class TrainConfig:
 
     Attributes:
         framework: ``"torch"`` or ``"keras"``.
-        dataset: ``"digits"`` (scikit-learn's 1,797 8x8 handwritten digits, offline) or
-            ``"synthetic"`` (random images and labels, for throughput).
+        dataset: ``"digits"`` (scikit-learn's 1,797 8x8 handwritten digits, offline, for quick
+            checks), ``"mnist"`` (60,000 + 10,000 28x28 handwritten digits, cached offline:
+            :func:`hvdtrain.data.load_mnist`) or ``"synthetic"`` (random images and labels, for
+            throughput).
+        data_dir: ``--dataset mnist``: read MNIST from this directory's four IDX files (or an
+            ``.npz`` with ``x_train, y_train, x_test, y_test``) instead of the cache; empty: the
+            cache.
         epochs: passes over the training split, >= 1.
         batch_size: local batch: samples per micro-batch on one rank, >= 1.
         backward_passes_per_step: micro-batches accumulated per optimizer step (k), >= 1.
@@ -75,6 +80,11 @@ class TrainConfig:
         batchnorm: a BatchNorm layer after each convolution of the model; its running
             statistics are averaged over ranks (``sync_buffers``) before every evaluation and
             checkpoint.
+        tensorboard: rank 0 writes TensorBoard events to ``<output_dir>/tensorboard``
+            (:mod:`hvdtrain.tensorboard`).
+        log_every: optimizer steps between the per-step TensorBoard points, >= 1.
+        divergence_check: stop with an error when training diverges after warmup
+            (:func:`hvdtrain.guard.divergence`), keeping the last good checkpoint.
     """
     framework: str = "torch"
     dataset: str = "digits"
@@ -104,6 +114,10 @@ class TrainConfig:
     batchnorm: bool = False
     init_loss_scale: float = 65536.0
     keras_backend: str = ""
+    data_dir: str = ""
+    tensorboard: bool = True
+    log_every: int = 10
+    divergence_check: bool = True
 
     def global_batch(self, size: int) -> int:
         """Samples per optimizer step across all ranks: ``batch_size x k x size``."""
@@ -172,6 +186,15 @@ class TrainConfig:
             if self.precision != "fp32" or self.batchnorm or self.device == "cuda":
                 raise ConfigError("--elastic trains in fp32 on the CPU, without --batchnorm, "
                                   "for now; drop --precision/--batchnorm/--device cuda")
+        if self.data_dir:
+            if self.dataset != "mnist":
+                raise ConfigError("--data-dir is for --dataset mnist (IDX files or an .npz); "
+                                  "drop it or use --dataset mnist")
+            if not Path(self.data_dir).exists():
+                raise ConfigError(f"--data-dir {self.data_dir!r} does not exist; pass the "
+                                  "directory with MNIST's four IDX files or an .npz file")
+        if not isinstance(self.log_every, int) or self.log_every < 1:
+            raise ConfigError(f"--log-every must be a whole number >= 1; got {self.log_every!r}")
         if not isinstance(self.commit_every, int) or self.commit_every < 1:
             raise ConfigError(f"--commit-every must be a whole number >= 1; got "
                               f"{self.commit_every!r}")

@@ -135,6 +135,7 @@ def record_stop(report, signal_name: str, epoch: int, batch: int, step: int,
     micro-batches of it trained, ``seconds`` from the earliest signal to the checkpoint."""
     report.header["preempted"] = {"signal": signal_name, "epoch": epoch, "batch": batch,
                                   "step": step, "seconds_to_checkpoint": seconds}
+    report.board.close()  # the TensorBoard points so far reach the disk before the exit
     if is_root:
         report.write()
         log.warning("%s: stopped after optimizer step %d (epoch %d, micro-batch %d) and saved "

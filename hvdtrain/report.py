@@ -21,8 +21,9 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hvdtrain import __version__
+from hvdtrain import __version__, guard
 from hvdtrain.files import write_json
+from hvdtrain.tensorboard import Board
 
 METRICS_FILE = "metrics.json"
 log = logging.getLogger("hvdtrain")
@@ -44,7 +45,9 @@ class EpochMetrics:
 
 def run_header(framework: str, cfg, info, train_samples: int, test_samples: int,
                steps_per_epoch: int, versions: dict) -> dict:
-    """The run-level fields of ``metrics.json`` (identical for both trainers), and log them once.
+    """The run-level fields of ``metrics.json`` (identical for both trainers), and log them once;
+    rank 0 also warns once when the global batch is past the range where ``cfg.lr_scaling`` was
+    shown to hold (:func:`hvdtrain.guard.large_batch_warning`; kept as ``large_batch_warning``).
 
     Args:
         framework: ``"torch"`` or ``"keras"``.
@@ -62,6 +65,11 @@ def run_header(framework: str, cfg, info, train_samples: int, test_samples: int,
              info.size, info.hosts, cfg.batch_size, k, cfg.global_batch(info.size), cfg.lr,
              scaled, cfg.lr_scaling, cfg.warmup_epochs, steps_per_epoch, info.threads,
              info.device, cfg.precision)
+    warning = guard.large_batch_warning(cfg.global_batch(info.size), train_samples,
+                                        cfg.lr_scaling, schedule.scale_factor(cfg.lr_scaling,
+                                                                              info.size, k))
+    if warning and info.rank == 0:
+        log.warning("warning: %s", warning)
     return {"framework": framework, "dataset": cfg.dataset, "size": info.size,
             "hosts": info.hosts, "local_batch": cfg.batch_size, "backward_passes_per_step": k,
             "global_batch": cfg.global_batch(info.size), "base_lr": cfg.lr, "scaled_lr": scaled,
@@ -75,7 +83,7 @@ def run_header(framework: str, cfg, info, train_samples: int, test_samples: int,
             # ended with the same weights, and the signal that stopped the run after a
             # checkpoint (hvdtrain.preempt).
             "resumed_from": None, "skipped_steps": None, "ranks_agree": None,
-            "preempted": None}
+            "preempted": None, "large_batch_warning": warning, "diverged": None}
 
 
 def setup_logging(rank: int) -> None:
@@ -85,27 +93,33 @@ def setup_logging(rank: int) -> None:
 
 
 class RunReport:
-    """Collects epoch metrics and writes ``metrics.json`` atomically after each epoch (rank 0).
+    """Collects epoch metrics and writes ``metrics.json`` atomically after each epoch (rank 0),
+    and the epoch's TensorBoard scalars.
 
     Args:
-        output_dir: directory for ``metrics.json``.
+        output_dir: directory for ``metrics.json`` (and ``tensorboard/``).
         header: run-level fields (framework, dataset, size, batches, lrs, sample counts, config).
         is_root: only the root rank writes and logs.
+        tensorboard: write TensorBoard events (:class:`hvdtrain.tensorboard.Board`, ``board``).
     """
 
-    def __init__(self, output_dir: str | os.PathLike, header: dict, is_root: bool):
+    def __init__(self, output_dir: str | os.PathLike, header: dict, is_root: bool,
+                 tensorboard: bool = False):
         self.path = Path(output_dir) / METRICS_FILE
         self.header = dict(header)
         self.header.setdefault("versions", {})["hvdtrain"] = __version__
         self.epochs: list[EpochMetrics] = []
         self.is_root = is_root
+        self.board = Board(output_dir, tensorboard, is_root)
 
     def add(self, metrics: EpochMetrics) -> None:
-        """Record an epoch, log one line, and rewrite ``metrics.json`` (rank 0 only)."""
+        """Record an epoch, log one line, rewrite ``metrics.json`` and write the epoch's
+        TensorBoard scalars (rank 0 only)."""
         self.epochs.append(metrics)
         if not self.is_root:
             return
         self.write()
+        self.board.epoch(metrics, self.header["global_batch"])
         log.info("epoch %d: train loss %.4f acc %.4f | test loss %.4f acc %.4f | lr %.5f | "
                  "%.0f samples/s", metrics.epoch, metrics.train_loss, metrics.train_accuracy,
                  metrics.test_loss, metrics.test_accuracy, metrics.lr, metrics.samples_per_sec)
@@ -113,6 +127,27 @@ class RunReport:
     def write(self) -> None:
         """Rewrite ``metrics.json`` atomically."""
         write_json(self.path, self.to_dict())
+
+    def check_divergence(self, metrics: EpochMetrics, cfg, num_classes: int) -> None:
+        """Before an epoch's checkpoint, on every rank: when ``cfg.divergence_check`` is on and
+        :func:`hvdtrain.guard.divergence` says the run diverged with ``metrics`` as its last
+        epoch, record the epoch and the verdict (``diverged`` in ``metrics.json``) and raise.
+
+        Raises:
+            guard.DivergenceError: on every rank alike (the metrics are all-reduced); the
+                message names the epoch, the numbers and what to try, and the checkpoint of the
+                last good epoch, which is left in place.
+        """
+        why = cfg.divergence_check and guard.divergence(self.epochs + [metrics],
+                                                        cfg.warmup_epochs, num_classes)
+        if not why:
+            return
+        self.header["diverged"] = why
+        self.add(metrics)
+        self.board.close()
+        kept = (f"the checkpoint of epoch {self.epochs[-2].epoch} stays in {self.path.parent}"
+                if len(self.epochs) > 1 else "no checkpoint was written")
+        raise guard.DivergenceError(f"{why}; {kept}")
 
     def to_dict(self) -> dict:
         """The whole report as a JSON-ready dict."""

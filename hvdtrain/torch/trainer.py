@@ -22,6 +22,7 @@ from tqdm import tqdm
 from hvdtrain import data, preempt, runtime, schedule
 from hvdtrain.config import TrainConfig
 from hvdtrain.report import EpochMetrics, RunReport, run_header, setup_logging
+from hvdtrain.tensorboard import StepMeter
 from hvdtrain.torch import adapter, checkpoint
 from hvdtrain.torch.models import build_model
 
@@ -216,7 +217,9 @@ def fit(cfg: TrainConfig) -> dict:
                               if resumed else None)
     if resumed:
         header["resumed_from"]["batch"] = start_batch
-    report = RunReport(out, header, is_root=info.is_root)
+    report = RunReport(out, header, is_root=info.is_root, tensorboard=cfg.tensorboard)
+    meter = StepMeter(report.board, cfg.log_every, cfg.global_batch(info.size),
+                      cfg.batch_size * info.size)
     if resumed:
         report.epochs = [EpochMetrics(**e) for e in resumed["metrics"]]
         log.info("resumed after epoch %d%s (made with %d ranks, global batch %d)",
@@ -263,6 +266,8 @@ def fit(cfg: TrainConfig) -> dict:
             done = skip  # micro-batches of this epoch trained
             agreed = None
             start = time.perf_counter() - part.get("seconds", 0.0)
+            meter.start(time.perf_counter(), part.get("loss_sum", 0.0), part.get("correct", 0),
+                        part.get("seen", 0), skip, steps_taken)
             bar = tqdm(total=batches_per_epoch, initial=skip, unit="batch",
                        desc=f"epoch {epoch + 1}/{cfg.epochs}", leave=False,
                        disable=not (info.is_root and cfg.progress))
@@ -321,11 +326,15 @@ def fit(cfg: TrainConfig) -> dict:
                         log.warning("%s: step skipped on all ranks", message)
                         skipped += 1
                     scaler.update()
+                    step_lr = optimizer.param_groups[0]["lr"]
                     scheduler.step()  # the schedule follows step, taken or skipped
                     optimizer.zero_grad()
                     group_nonfinite.zero_()
                     step += 1
                     steps_taken += 1
+                    if meter.due(step):  # rank 0, every --log-every steps: one read of the sums
+                        meter.point(step, time.perf_counter(), step_lr, loss_sum.item(),
+                                    correct.item(), seen.item(), done + 1, steps_taken)
                     agreed = preempt.agreed_signal(hvd.synchronize(stop).tolist())
                 done += 1
                 bar.update()
@@ -352,6 +361,7 @@ def fit(cfg: TrainConfig) -> dict:
                                    epoch_lr, steps, epoch_seconds, totals["n"] / epoch_seconds)
             report.header["skipped_steps"] = skipped
             report.header["overflow_steps"] = overflows
+            report.check_divergence(metrics, cfg, split.num_classes)  # before its checkpoint
             save(epoch + 1, 0, None, report.epochs + [metrics])
             report.add(metrics)
     # Every rank must hold the same weights and buffers; a divergence would be a bug worth
@@ -361,6 +371,7 @@ def fit(cfg: TrainConfig) -> dict:
     report.header["ranks_agree"] = len(set(checksums)) == 1
     if info.is_root:
         report.write()
+    report.board.close()
     return report.to_dict()
 
 

@@ -101,3 +101,27 @@ def test_elastic_epoch_plan_neither_loses_nor_repeats_committed_work(samples, ba
                        samples)
         assert sorted(set(seen)) == sorted(order[:done])  # exactly the committed prefix
     assert done == samples and len(seen) - samples < 3  # padding: < size samples, once
+
+
+@pytest.mark.parametrize("error", ["UnknownError", "AbortedError"])
+def test_a_collective_failed_by_a_lost_worker_resets_the_elastic_loop(error):
+    """Both ways TensorFlow reports a Horovod collective that a lost worker broke (in flight:
+    UnknownError; enqueued after Horovod shut down: AbortedError) reach hvd.elastic.run as
+    HorovodInternalError (roll back and reset); other errors pass through unchanged."""
+    import tensorflow as tf
+    from horovod.common.exceptions import HorovodInternalError
+
+    from hvdtrain.keras.elastic import _collective_failures
+
+    @_collective_failures
+    def step(exc):
+        raise exc
+
+    lost = getattr(tf.errors, error)(None, None, "Horovod has been shut down. This was caused "
+                                                 "by an exception on one of the ranks")
+    with pytest.raises(HorovodInternalError):
+        step(lost)
+    with pytest.raises(type(lost)):  # not Horovod's: a real bug, not a lost worker
+        step(getattr(tf.errors, error)(None, None, "something else"))
+    with pytest.raises(ValueError):
+        step(ValueError("Horovod"))

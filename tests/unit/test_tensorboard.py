@@ -1,0 +1,58 @@
+"""hvdtrain.tensorboard: what Board and StepMeter write, read back with TensorBoard's own reader."""
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from hvdtrain.report import EpochMetrics, RunReport
+from hvdtrain.tensorboard import EPOCH_FIELDS, Board, StepMeter
+
+
+def scalars(log_dir):
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_epoch_scalars_equal_the_report(tmp_path):
+    report = RunReport(tmp_path, {"global_batch": 64}, is_root=True, tensorboard=True)
+    for epoch in (1, 2):
+        report.add(EpochMetrics(epoch, 1.0 / epoch, 0.5 + epoch / 10, 0.8 / epoch, 0.9, 0.02,
+                                100, 3.5, 1234.5))
+    report.board.close()
+    got = scalars(tmp_path / "tensorboard")
+    for field in EPOCH_FIELDS:
+        assert [s for s, _ in got[f"epoch/{field}"]] == [1, 2]
+        for (_, value), e in zip(got[f"epoch/{field}"], report.epochs):
+            assert value == pytest.approx(getattr(e, field), rel=1e-6)
+    assert got["epoch/global_batch"] == [(1, 64.0), (2, 64.0)]
+
+
+def test_step_points_from_running_sums(tmp_path):
+    board = Board(tmp_path, enabled=True, is_root=True)
+    meter = StepMeter(board, every=2, global_batch=64, samples_per_micro_batch=32)  # k = 2
+    meter.start(now=10.0)
+    assert not meter.due(1) and meter.due(2)
+    # 2 steps = 4 micro-batches of 16 samples on rank 0, 2 all-reduces, 2 seconds
+    meter.point(2, now=12.0, lr=0.01, loss_sum=64.0, correct=48, seen=64, micro_batches=4,
+                allreduces=2)
+    meter.point(4, now=13.0, lr=0.02, loss_sum=96.0, correct=112, seen=128, micro_batches=8,
+                allreduces=4)
+    board.close()
+    got = scalars(tmp_path / "tensorboard")
+    assert got["step/loss"] == [(2, 1.0), (4, 0.5)]
+    assert got["step/accuracy"] == [(2, 0.75), (4, 1.0)]
+    assert got["step/lr"] == [(2, pytest.approx(0.01)), (4, pytest.approx(0.02))]
+    assert got["step/samples_per_sec"] == [(2, 64.0), (4, 128.0)]  # 4 x 32 / 2 s, 4 x 32 / 1 s
+    assert got["step/allreduces_per_micro_batch"] == [(2, 0.5), (4, 0.5)]  # 1/k
+    assert got["step/global_batch"] == [(2, 64.0), (4, 64.0)]
+
+
+def test_other_ranks_and_disabled_runs_write_nothing(tmp_path):
+    for enabled, is_root in ((True, False), (False, True)):
+        board = Board(tmp_path, enabled=enabled, is_root=is_root)
+        meter = StepMeter(board, every=1, global_batch=8, samples_per_micro_batch=8)
+        meter.start(0.0)
+        assert not meter.due(1)
+        meter.point(1, 1.0, 0.1, 1.0, 1, 1, 1, 1)
+        board.epoch(EpochMetrics(1, 1, 1, 1, 1, 1, 1, 1, 1), 8)
+        board.close()
+    assert not (tmp_path / "tensorboard").exists()
