@@ -14,14 +14,16 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 setup:
 	bash scripts/setup.sh
 
+# The main job (README): MNIST, 2 processes, PyTorch and Keras on both backends, >= 98.5 %.
+MNIST := --dataset mnist --batch-size 32 --lr 0.01 --warmup-epochs 1 --epochs 4
 demo: setup
-	horovodrun -np $(NP) -H localhost:$(NP) hvdtrain train --framework torch --dataset digits \
-		--output-dir runs/demo-torch
-	horovodrun -np $(NP) -H localhost:$(NP) hvdtrain train --framework keras --dataset digits \
-		--output-dir runs/demo-keras
+	horovodrun -np $(NP) -H localhost:$(NP) hvdtrain train --framework torch $(MNIST) \
+		--output-dir runs/mnist-torch
+	horovodrun -np $(NP) -H localhost:$(NP) hvdtrain train --framework keras $(MNIST) \
+		--output-dir runs/mnist-keras
 	horovodrun -np $(NP) -H localhost:$(NP) hvdtrain train --framework keras --keras-backend torch \
-		--dataset digits --output-dir runs/demo-keras-torch
-	hvdtrain report runs/demo-torch runs/demo-keras runs/demo-keras-torch
+		$(MNIST) --output-dir runs/mnist-keras-torch
+	hvdtrain report runs/mnist-torch runs/mnist-keras runs/mnist-keras-torch
 
 test: setup
 	$(PY) -m pytest tests
