@@ -20,7 +20,7 @@ def train(tmp_path, *args):
     (["--backward-passes-per-step", "0"], "--backward-passes-per-step must be a whole number >= 1; got 0"),
     (["--batch-size", "0"], "--batch-size must be a whole number >= 1; got 0"),
     (["--framework", "mxnet"], "--framework must be one of torch, keras; got 'mxnet'"),
-    (["--dataset", "cifar"], "--dataset must be one of digits, synthetic; got 'cifar'"),
+    (["--dataset", "cifar"], "--dataset must be one of digits, mnist, synthetic; got 'cifar'"),
     (["--output-dir", "/proc/nope"], "--output-dir '/proc/nope' is not writable"),
 ])
 def test_bad_input_fails_before_any_work(tmp_path, args, message):

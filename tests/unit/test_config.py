@@ -19,7 +19,7 @@ def test_defaults_validate_and_global_batch(tmp_path):
     (dict(batch_size=-3), "--batch-size must be a whole number >= 1"),
     (dict(epochs=0), "--epochs must be"),
     (dict(framework="jax"), "--framework must be one of torch, keras; got 'jax'"),
-    (dict(dataset="imagenet"), "--dataset must be one of digits, synthetic; got 'imagenet'"),
+    (dict(dataset="imagenet"), "--dataset must be one of digits, mnist, synthetic; got 'imagenet'"),
     (dict(lr=0.0), "--lr must be > 0"),
     (dict(momentum=1.0), r"--momentum must be in \[0, 1\)"),
     (dict(lr_scaling="cubic"), "--lr-scaling must be one of linear, sqrt, none"),
@@ -70,3 +70,13 @@ def test_keras_backend_comes_from_the_option_then_the_variable(tmp_path, monkeyp
     with pytest.raises(ConfigError, match="--keras-backend is for --framework keras"):
         TrainConfig(framework="torch", keras_backend="torch", output_dir=out).validate()
     assert TrainConfig(output_dir=out).validate().keras_backend == ""  # torch: not used
+
+
+def test_data_dir_and_log_every_are_checked_before_any_work(tmp_path):
+    with pytest.raises(ConfigError, match="--data-dir is for --dataset mnist"):
+        TrainConfig(data_dir=str(tmp_path), output_dir=str(tmp_path)).validate()
+    with pytest.raises(ConfigError, match="--data-dir .* does not exist"):
+        TrainConfig(dataset="mnist", data_dir=str(tmp_path / "nope"),
+                    output_dir=str(tmp_path)).validate()
+    with pytest.raises(ConfigError, match="--log-every must be a whole number >= 1; got 0"):
+        TrainConfig(log_every=0, output_dir=str(tmp_path)).validate()

@@ -43,8 +43,8 @@ def test_shard_indices_cover_every_sample_once():
 def test_synthetic_and_unknown_dataset():
     s = data.load("synthetic", synthetic_samples=100)
     assert len(s.x_train) + len(s.x_test) == 100
-    with pytest.raises(ValueError, match="unknown dataset 'mnist'"):
-        data.load("mnist")
+    with pytest.raises(ValueError, match="unknown dataset 'cifar'; use digits, mnist or synthetic"):
+        data.load("cifar")
 
 
 @pytest.mark.parametrize("local_size,cores,expected", [(1, 2, 2), (2, 2, 1), (4, 2, 1), (2, 8, 4)])
