@@ -523,7 +523,11 @@ cache_mnist() {
   mkdir -p "$(dirname "$mnist_stamp")"
   touch "$mnist_stamp"
 }
-if [ ! -f "$mnist_stamp" ]; then
+if [ ! -f "$ROOT/hvdtrain/data.py" ]; then
+  # The Dockerfiles' build stage holds only the files that decide the stack (no hvdtrain/data.py);
+  # their images fetch MNIST on first use (--dataset mnist), or read it with --data-dir.
+  log "MNIST not cached: $ROOT/hvdtrain/data.py is not here (a partial copy, as in docker/)"
+elif [ ! -f "$mnist_stamp" ]; then
   phase "caching MNIST in $CACHE/datasets/mnist" cache_mnist
 fi
 where=$VENV
