@@ -11,6 +11,7 @@ import allreduce
 import common
 import compare
 import scaling
+import scaling_rule
 import trainer
 
 
@@ -22,7 +23,7 @@ def main() -> None:
                          "(ranks per host >= cores).")
     for name, module in (("scaling", scaling), ("allreduce", allreduce),
                          ("accumulation", accumulation), ("compare", compare),
-                         ("trainer", trainer)):
+                         ("trainer", trainer), ("scaling_rule", scaling_rule)):
         t0 = time.perf_counter()
         print(f"== {name}", flush=True)
         module.main(["--readme"])

@@ -99,3 +99,20 @@ def test_trainer_tiny(tmp_path):
     assert data["ratio"] == pytest.approx(data["trainer_samples_per_sec"]
                                           / data["plain_samples_per_sec"])
     assert data["plain_samples_per_sec"] > 0 and len(data["trainer_runs"]) == 1
+
+
+def test_scaling_rule_tiny_reads_each_runs_metrics(tmp_path):
+    data, out = bench(tmp_path, "scaling_rule.py", "--dataset", "digits", "--global-batches",
+                      "32,64", "--epochs", "1")
+    rows = {(r["rule"], r["global_batch"]): r for r in data["results"]}
+    assert set(rows) == {(rule, gb) for rule in ("linear", "sqrt") for gb in (32, 64)}
+    # Scale factor 1 at global batch 32: one run, reported for both rules.
+    assert data["trainings"] == 3
+    assert rows["linear", 32]["final_test_accuracy"] == rows["sqrt", 32]["final_test_accuracy"]
+    assert rows["linear", 32]["scaled_lr"] == rows["sqrt", 32]["scaled_lr"] == pytest.approx(0.01)
+    assert rows["linear", 64]["scaled_lr"] == pytest.approx(0.02)
+    assert rows["sqrt", 64]["scaled_lr"] == pytest.approx(0.01 * 2 ** 0.5)
+    for r in data["results"]:
+        assert r["fraction"] == pytest.approx(r["global_batch"] / r["train_samples"])
+        assert 0 <= r["final_test_accuracy"] <= 1 and r["would_stop"] is None
+    assert "divergence check would stop it" in out
