@@ -190,7 +190,7 @@ class TrainConfig:
             if self.dataset != "mnist":
                 raise ConfigError("--data-dir is for --dataset mnist (IDX files or an .npz); "
                                   "drop it or use --dataset mnist")
-            if not Path(self.data_dir).exists():
+            if not Path(self.data_dir).expanduser().exists():
                 raise ConfigError(f"--data-dir {self.data_dir!r} does not exist; pass the "
                                   "directory with MNIST's four IDX files or an .npz file")
         if not isinstance(self.log_every, int) or self.log_every < 1:

@@ -78,7 +78,15 @@ def large_batch_warning(global_batch: int, train_samples: int, rule: str,
 
 class DivergenceError(RuntimeError):
     """Training diverged (:func:`divergence`); raised on every rank after the same epoch, before
-    that epoch's checkpoint is written, so the last good checkpoint stays."""
+    that epoch's checkpoint is written, so the last good checkpoint stays.
+
+    Attributes:
+        reported: rank 0 printed the error already (before the ranks stopped together).
+    """
+
+    def __init__(self, message: str, reported: bool = False):
+        super().__init__(message)
+        self.reported = reported
 
 
 # Training accuracy below chance + this margin counts as "near chance": a model that predicts one
@@ -86,7 +94,8 @@ class DivergenceError(RuntimeError):
 CHANCE_MARGIN = 0.05
 
 
-def divergence(epochs: list, warmup_epochs: float, num_classes: int) -> str | None:
+def divergence(epochs: list, warmup_epochs: float, num_classes: int,
+               lr_scaling: str = "linear") -> str | None:
     """Why the run diverged at its last epoch, or None.
 
     Checked only after warmup and from the second epoch on (the first is the reference, and a
@@ -100,6 +109,8 @@ def divergence(epochs: list, warmup_epochs: float, num_classes: int) -> str | No
             sample, ``train_accuracy`` in [0, 1]), oldest first; ``epochs[0]`` is the reference.
         warmup_epochs: length of the learning-rate warmup in epochs.
         num_classes: number of classes (chance accuracy is ``1 / num_classes``).
+        lr_scaling: the run's scaling rule (``--lr-scaling sqrt`` is suggested only to a
+            linear run).
 
     Returns:
         A message naming the epoch, the numbers compared and what to try.
@@ -118,6 +129,7 @@ def divergence(epochs: list, warmup_epochs: float, num_classes: int) -> str | No
                f"({chance:.4f} for {num_classes} classes)")
     else:
         return None
-    return (f"training diverged in epoch {last.epoch} (after warmup): {why}. Lower --lr, use "
-            "--lr-scaling sqrt, a longer --warmup-epochs, or a smaller global batch (fewer ranks "
-            "or a smaller -k); --no-divergence-check trains on regardless")
+    sqrt = "use --lr-scaling sqrt, " if lr_scaling == "linear" else ""
+    return (f"training diverged in epoch {last.epoch} (after warmup): {why}. Lower --lr, {sqrt}"
+            "use a longer --warmup-epochs, or a smaller global batch (fewer ranks or a smaller "
+            "-k); --no-divergence-check trains on regardless")

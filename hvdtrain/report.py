@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -128,26 +130,35 @@ class RunReport:
         """Rewrite ``metrics.json`` atomically."""
         write_json(self.path, self.to_dict())
 
-    def check_divergence(self, metrics: EpochMetrics, cfg, num_classes: int) -> None:
+    def check_divergence(self, metrics: EpochMetrics, cfg, num_classes: int,
+                         hold: Callable[[], None]) -> None:
         """Before an epoch's checkpoint, on every rank: when ``cfg.divergence_check`` is on and
         :func:`hvdtrain.guard.divergence` says the run diverged with ``metrics`` as its last
-        epoch, record the epoch and the verdict (``diverged`` in ``metrics.json``) and raise.
+        epoch, rank 0 records the epoch and the verdict (``diverged`` in ``metrics.json``, the
+        TensorBoard events) and prints the error; then every rank calls ``hold`` (a collective
+        such as a broadcast from rank 0, so no rank exits before rank 0 is done: launchers end
+        the whole job at the first exit) and raises.
 
         Raises:
-            guard.DivergenceError: on every rank alike (the metrics are all-reduced); the
-                message names the epoch, the numbers and what to try, and the checkpoint of the
-                last good epoch, which is left in place.
+            guard.DivergenceError: on every rank alike (the metrics are all-reduced), with
+                ``reported`` True (rank 0 printed it already). The message names the epoch, the
+                numbers and what to try; this epoch was not checkpointed, so the checkpoints in
+                the output directory are the ones before it.
         """
         why = cfg.divergence_check and guard.divergence(self.epochs + [metrics],
-                                                        cfg.warmup_epochs, num_classes)
+                                                        cfg.warmup_epochs, num_classes,
+                                                        cfg.lr_scaling)
         if not why:
             return
         self.header["diverged"] = why
+        message = (f"{why}; epoch {metrics.epoch} was not checkpointed: --resume from "
+                   f"{self.path.parent} continues from the checkpoint before it")
         self.add(metrics)
         self.board.close()
-        kept = (f"the checkpoint of epoch {self.epochs[-2].epoch} stays in {self.path.parent}"
-                if len(self.epochs) > 1 else "no checkpoint was written")
-        raise guard.DivergenceError(f"{why}; {kept}")
+        if self.is_root:
+            print(f"hvdtrain: error: {message}", file=sys.stderr, flush=True)
+        hold()
+        raise guard.DivergenceError(message, reported=True)
 
     def to_dict(self) -> dict:
         """The whole report as a JSON-ready dict."""

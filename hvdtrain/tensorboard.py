@@ -68,10 +68,18 @@ class Board:
         self._writer.flush()
 
     def close(self) -> None:
-        """Flush and close the event file."""
+        """Flush and close the event file (again: nothing)."""
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+    def __enter__(self) -> "Board":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Close on every way out of the training loop (an error, a stop, a preemption), so the
+        points written so far reach the disk even when the launcher then kills the process."""
+        self.close()
 
 
 class StepMeter:

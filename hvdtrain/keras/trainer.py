@@ -253,7 +253,9 @@ class _EpochEnd(keras.callbacks.Callback):
         n = max(totals["n"], 1.0)
         metrics = EpochMetrics(epoch + 1, totals["loss"] / n, totals["correct"] / n, test_loss,
                                test_acc, self.lr, steps, seconds, samples / seconds)
-        s["report"].check_divergence(metrics, s["cfg"], s["num_classes"])  # before its checkpoint
+        s["report"].check_divergence(  # before its checkpoint; rank 0 reports, then all stop
+            metrics, s["cfg"], s["num_classes"],
+            hold=lambda: _backend.broadcast_object(None, root_rank=0, name="hvdtrain.diverged"))
         _save(s, epoch + 1, 0, None, s["report"].epochs + [metrics], self.model)
         s["report"].add(metrics)
         if stopped:  # stopped on the epoch's last step: the epoch is complete
@@ -338,7 +340,9 @@ class _StepPoints(keras.callbacks.Callback):
         sums = self.s["loss"].totals()  # after _EpochEnd's reset: 0, or a resumed epoch's
         self.micro, self.offset = self.offset, 0
         k = self.s["k"]
-        self.step = int(ops.convert_to_numpy(self.s["optimizer"].iterations))
+        # Steps counted as all-reduce rounds, taken or skipped (fp16 overflows do not advance
+        # optimizer.iterations), as the PyTorch trainer counts them.
+        self.step = epoch * self.s["micro_per_epoch"] // k + self.micro // k
         self.meter.start(time.perf_counter(), sums["loss_sum"], sums["correct"],
                          sums["samples"], self.micro, self.micro // k)
 
@@ -408,6 +412,8 @@ def fit(cfg: TrainConfig) -> dict:
 
     Raises:
         runtime.NonFiniteLossError: a non-finite loss with ``on_nonfinite="stop"`` (every rank).
+        guard.DivergenceError: the run diverged after warmup (:func:`hvdtrain.guard.divergence`;
+            every rank, before that epoch's checkpoint), unless ``cfg.divergence_check`` is off.
         SystemExit: ``--resume`` without a usable checkpoint, or a ``--device`` this host cannot
             give every rank.
 
@@ -508,7 +514,7 @@ def _fit(cfg: TrainConfig, info) -> dict:
     first = start_epoch + (1 if start_micro else 0)
     if first < cfg.epochs:
         phases.append((first, cfg.epochs, micro_per_epoch, 0))
-    with signals:
+    with signals, report.board:
         for initial, end, steps, done in phases:
             dataset = sharding.shard_dataset(
                 x_train, split.y_train, batch_size=cfg.batch_size, seed=cfg.seed, info=info,

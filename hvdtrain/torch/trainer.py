@@ -149,6 +149,8 @@ def fit(cfg: TrainConfig) -> dict:
 
     Raises:
         runtime.NonFiniteLossError: a non-finite loss with ``on_nonfinite="stop"`` (on every rank).
+        guard.DivergenceError: the run diverged after warmup (:func:`hvdtrain.guard.divergence`;
+            every rank, before that epoch's checkpoint), unless ``cfg.divergence_check`` is off.
         SystemExit: ``--resume`` without a usable checkpoint, or a ``--device`` this host cannot
             give every rank.
 
@@ -248,7 +250,7 @@ def fit(cfg: TrainConfig) -> dict:
                 "counters": {"skipped": skipped, "overflows": overflows},
                 "metrics": [vars(e) for e in epochs]})
 
-    with signals:
+    with signals, report.board:
         for epoch in range(start_epoch, cfg.epochs):
             skip = start_batch if epoch == start_epoch else 0
             sampler.set_epoch(epoch)
@@ -361,7 +363,9 @@ def fit(cfg: TrainConfig) -> dict:
                                    epoch_lr, steps, epoch_seconds, totals["n"] / epoch_seconds)
             report.header["skipped_steps"] = skipped
             report.header["overflow_steps"] = overflows
-            report.check_divergence(metrics, cfg, split.num_classes)  # before its checkpoint
+            report.check_divergence(  # before its checkpoint; rank 0 reports, then all stop
+                metrics, cfg, split.num_classes,
+                hold=lambda: hvd.broadcast_object(None, root_rank=0, name="hvdtrain.diverged"))
             save(epoch + 1, 0, None, report.epochs + [metrics])
             report.add(metrics)
     # Every rank must hold the same weights and buffers; a divergence would be a bug worth

@@ -69,3 +69,9 @@ def test_nothing_is_judged_during_warmup_or_on_the_first_epoch(warmup, first_che
     for n in range(1, 6):
         verdict = guard.divergence(bad[:n], warmup_epochs=warmup, num_classes=10)
         assert (verdict is not None) == (n >= first_checked), (n, verdict)
+
+
+def test_a_sqrt_run_is_not_told_to_use_sqrt():
+    history = epochs((0.9, 0.70), (2.31, 0.1135))
+    assert "--lr-scaling sqrt" not in guard.divergence(history, 1, 10, lr_scaling="sqrt")
+    assert "--lr-scaling sqrt" in guard.divergence(history, 1, 10, lr_scaling="linear")

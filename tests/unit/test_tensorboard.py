@@ -56,3 +56,13 @@ def test_other_ranks_and_disabled_runs_write_nothing(tmp_path):
         board.epoch(EpochMetrics(1, 1, 1, 1, 1, 1, 1, 1, 1), 8)
         board.close()
     assert not (tmp_path / "tensorboard").exists()
+
+
+def test_the_board_closes_on_the_way_out_of_a_failed_loop(tmp_path):
+    board = Board(tmp_path, enabled=True, is_root=True)
+    with pytest.raises(RuntimeError):
+        with board:
+            board.step(1, {"loss": 2.5})
+            raise RuntimeError("a non-finite loss stopped the run")
+    assert not board.enabled  # closed: the event reached the disk
+    assert scalars(tmp_path / "tensorboard")["step/loss"] == [(1, 2.5)]
