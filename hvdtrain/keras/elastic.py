@@ -42,28 +42,39 @@ log = logging.getLogger("hvdtrain")
 hvd = _backend.hvd
 
 
-# TensorFlow's error classes for a Horovod collective that failed because a worker left: the
-# collective in flight fails with UnknownError (Gloo's "Connection closed by peer"); one enqueued
-# after the background loop shut down gets Horovod's SHUT_DOWN_ERROR, which Horovod 0.28's
-# ConvertStatus turns into AbortedError. Which one a survivor sees depends on timing.
+# TensorFlow's error classes for a Horovod collective that failed because a worker left: in flight
+# it fails with UnknownError carrying Gloo's text ("[.../gloo/transport/tcp/pair.cc:589] Read
+# error ... [[{{node sgd/hvdtrain.gradients}}]]"), or with Horovod's "Horovod has been shut down"
+# when it was enqueued after the background loop died (UnknownError, or AbortedError through
+# Horovod 0.28's ConvertStatus). Which one a survivor sees depends on timing.
 COLLECTIVE_FAILURES = ("UnknownError", "AbortedError")
+# Words (lower case) in such a message: Horovod's own, Gloo's, or hvdtrain's op names.
+COLLECTIVE_WORDS = ("horovod", "gloo", "hvdtrain.")
 
 
 def _collective_failures(func):
     """Raise Horovod's ``HorovodInternalError`` for a collective that failed in TensorFlow (a
     worker left), so ``hvd.elastic.run`` rolls back and resets, whichever of
-    :data:`COLLECTIVE_FAILURES` TensorFlow reports it as. Horovod's own TensorFlow ``elastic.run``
-    recognises only ``UnknownError`` of its default op names (``HorovodAllreduce_...``), not
-    hvdtrain's grouped ``hvdtrain.gradients`` nor an ``AbortedError``, so a survivor exited
-    instead of resetting when the timing gave it the latter. (horovod.torch raises
-    HorovodInternalError itself.)"""
+    :data:`COLLECTIVE_FAILURES` TensorFlow reports it as and whatever words it carries
+    (:data:`COLLECTIVE_WORDS`). Any other ``UnknownError`` is raised as a ``RuntimeError``.
+
+    Why: Horovod 0.28.1's TensorFlow ``elastic.run`` catches ``UnknownError`` and re-raises it
+    only when the message names one of its default ops (``HorovodAllreduce`` ...); otherwise it
+    returns None without raising, so the worker's training function "succeeds", the process
+    exits 0 and the driver, seeing a success, ends the whole job. That is how a lost worker whose
+    survivors saw Gloo's message (no "Horovod" in it, the op named ``hvdtrain.gradients``) ended
+    the elastic job instead of shrinking it. (horovod.torch raises HorovodInternalError itself.)
+    """
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         try:
             return func(*args, **kwargs)
         except Exception as exc:
-            if type(exc).__name__ in COLLECTIVE_FAILURES and "Horovod" in str(exc):
+            kind = type(exc).__name__
+            if kind in COLLECTIVE_FAILURES and any(w in str(exc).lower() for w in COLLECTIVE_WORDS):
                 raise HorovodInternalError(exc) from exc
+            if kind == "UnknownError":  # never into Horovod's wrapper, which would swallow it
+                raise RuntimeError(f"{kind}: {exc}") from exc
             raise
     return wrapper
 
