@@ -82,7 +82,9 @@ def test_cpu_image_builds_and_trains_alone_and_as_a_two_container_cluster(tmp_pa
     main = _metrics(out / "main")
     assert summary["main_exit"] == 0
     assert main["size"] == 2 and main["hosts"] == 1
-    assert main["final_test_accuracy"] >= 0.9, main["final_test_accuracy"]
+    # The README's main job: MNIST, cached in the image at build time (no download when it runs).
+    assert main["dataset"] == "mnist" and main["train_samples"] == 60000
+    assert main["final_test_accuracy"] >= 0.985, main["final_test_accuracy"]
     assert summary["main"]["final_test_accuracy"] == main["final_test_accuracy"]
 
     cluster = _metrics(out / "cluster")
