@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import common
+from hvdtrain.files import write_json
 
 # Goyal et al. 2017 (table 2, figure 1): ResNet-50's error matched the small-batch run up to a
 # global batch of 8,192 of ImageNet-1k's 1,281,167 training images.
@@ -165,7 +166,7 @@ def main(argv=None) -> dict:
     payload = {"machine": common.machine(), "args": {**vars(args), "json_out": str(args.json_out)},
                "trainings": len(runs), "total_seconds": total,
                "goyal_fraction": GOYAL_FRACTION, "results": results}
-    args.json_out.write_text(json.dumps(payload, indent=2) + "\n")
+    write_json(args.json_out, payload)
     png = args.json_out.with_suffix(".png")
     draw_plot(results, rules, png, f"{args.dataset}, local batch {args.batch_size}, base lr "
                                    f"{args.lr:g}, {args.epochs} epoch(s)")

@@ -531,5 +531,4 @@ def _fit(cfg: TrainConfig, info) -> dict:
     report.header["ranks_agree"] = len(set(_backend.allgather_object(checksum))) == 1
     if info.is_root:
         report.write()
-    report.board.close()
     return report.to_dict()

@@ -375,7 +375,6 @@ def fit(cfg: TrainConfig) -> dict:
     report.header["ranks_agree"] = len(set(checksums)) == 1
     if info.is_root:
         report.write()
-    report.board.close()
     return report.to_dict()
 
 
