@@ -90,9 +90,11 @@ print("scripts=" + sysconfig.get_path("scripts"))
 tf = next((n for n in (sys.argv[1], "tensorflow", "tensorflow-cpu") if version(n)), "")
 print("tf_package=" + tf)
 print("tf=" + (version(tf) if tf else ""))
-# What Horovod's build and horovodrun, and hvdtrain, need besides torch (module: package).
+# What Horovod's build and horovodrun, and hvdtrain (setup.py's install_requires), need besides
+# torch (module: package); scripts/offline_bundle.sh brings wheels of these.
 needs = {"setuptools": "setuptools", "cffi": "cffi", "packaging": "packaging", "psutil": "psutil",
-         "cloudpickle": "cloudpickle", "yaml": "pyyaml", "numpy": "numpy", "tqdm": "tqdm"}
+         "cloudpickle": "cloudpickle", "yaml": "pyyaml", "numpy": "numpy", "tqdm": "tqdm",
+         "tensorboardX": "tensorboardX", "filelock": "filelock"}
 print("missing=" + " ".join(p for m, p in needs.items() if importlib.util.find_spec(m) is None))
 try:
     import torch
