@@ -23,6 +23,11 @@ import torch
 
 from hvdtrain import accumulation, runtime, schedule
 from hvdtrain.accumulation import check_distribute_args, leading_dim
+from hvdtrain.torch.buffers import _dense_layout_tensors_, convert_sync_batchnorm
+# Re-exported, as before they had modules of their own: the trainer calls adapter.sync_buffers
+# and adapter.warmup.
+from hvdtrain.torch.buffers import sync_buffers  # noqa: F401
+from hvdtrain.torch.scheduler import Warmup, warmup  # noqa: F401
 
 _COMPRESSIONS = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
 _OPS = {"average": hvd.Average, "adasum": hvd.Adasum}
@@ -234,86 +239,6 @@ def broadcast_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     _broadcast_tensors_(tensors, root_rank)
 
 
-def _dense_layout_tensors_(tensors: list[tuple[str, torch.Tensor]], collective) -> None:
-    """Run ``collective(buffer, name) -> handle`` on each tensor, all in flight at once, through a
-    contiguous copy where the tensor is not contiguous; then wait and copy results back in place."""
-    pending = []
-    for name, tensor in tensors:
-        buffer = tensor if tensor.is_contiguous() else tensor.contiguous()
-        pending.append((tensor, buffer, collective(buffer, name)))
-    for tensor, buffer, handle in pending:
-        hvd.synchronize(handle)
-        if buffer is not tensor:
-            tensor.copy_(buffer)
-
-
-def sync_buffers(model: torch.nn.Module, op: str = "average", root_rank: int = 0) -> int:
-    """Make the model's buffers (BatchNorm ``running_mean``/``running_var``/
-    ``num_batches_tracked``, any other registered buffer) equal on every rank, in place.
-
-    Trainable weights stay equal under the gradient all-reduce, but BatchNorm running statistics
-    are updated from each rank's own batches and drift apart (about 7e-3 after 8 digits epochs
-    at np=2), so ranks would evaluate and checkpoint different models. ``"average"`` (the
-    default) all-reduces floating-point buffers to their mean over ranks: each rank's running
-    mean and variance estimate its own shard, and their mean uses every shard's data (for equal
-    shards the running mean is then the global one; the running variance omits the variance
-    between shard means, which a shuffling ``DistributedSampler`` keeps small). Integer buffers
-    (``num_batches_tracked``, equal on all ranks anyway) come from ``root_rank``. ``"broadcast"``
-    copies every buffer from ``root_rank``, as PyTorch DDP does before each forward
-    (``broadcast_buffers=True``), discarding the other ranks' statistics.
-
-    Call it where ranks must agree: before evaluation, before a checkpoint, at the end of
-    training (``hvdtrain train`` does all three). Every rank must call it at the same point.
-
-    Args:
-        model: any module; its buffers may be on any device and in any memory format.
-        op: ``"average"`` or ``"broadcast"``.
-        root_rank: the rank whose buffers ``"broadcast"`` (and integer buffers) take.
-
-    Returns:
-        The number of buffers synchronised (0 for a model without buffers).
-
-    Raises:
-        ValueError: an unknown ``op``.
-    """
-    runtime.check_buffer_sync_op(op)
-    buffers = [(f"hvdtrain.buffer.{name}", b) for name, b in model.named_buffers()]
-    if hvd.size() == 1 or not buffers:
-        return len(buffers)
-    averaged = [(n, b) for n, b in buffers if op == "average" and b.is_floating_point()]
-    copied = [(n, b) for n, b in buffers if not (op == "average" and b.is_floating_point())]
-    _dense_layout_tensors_(averaged, lambda t, n: hvd.allreduce_async_(t, op=hvd.Average, name=n))
-    _dense_layout_tensors_(copied, lambda t, n: hvd.broadcast_async_(t, root_rank, name=n))
-    return len(buffers)
-
-
-def convert_sync_batchnorm(model: torch.nn.Module) -> torch.nn.Module:
-    """Replace every BatchNorm layer (``BatchNorm1d/2d/3d``) in ``model`` with Horovod's
-    ``hvd.SyncBatchNorm``, which normalises each batch with the statistics of the global batch
-    (all ranks' samples of that step, gathered in the forward pass) and so keeps the running
-    statistics equal on every rank; useful when local batches are small (e.g. detection,
-    segmentation). The new layers take over the old ones' parameter and buffer objects, so an
-    optimizer already built on ``model.parameters()`` keeps working. In place; returns ``model``.
-
-    Costs one all-gather of per-channel statistics per BatchNorm layer per forward pass.
-    """
-    for name, child in list(model.named_children()):
-        if (isinstance(child, torch.nn.modules.batchnorm._BatchNorm)
-                and not isinstance(child, hvd.SyncBatchNorm)):
-            sync = hvd.SyncBatchNorm(child.num_features, child.eps, child.momentum, child.affine,
-                                     child.track_running_stats)
-            if child.affine:
-                sync.weight, sync.bias = child.weight, child.bias
-            if child.track_running_stats:
-                sync.running_mean, sync.running_var = child.running_mean, child.running_var
-                sync.num_batches_tracked = child.num_batches_tracked
-            sync.train(child.training)
-            setattr(model, name, sync)
-        else:
-            convert_sync_batchnorm(child)
-    return model
-
-
 class _DenseLayout:
     """A Horovod gradient compressor (``compress``/``decompress``) around another one that lets
     gradients in any dense memory format through, e.g. ``torch.channels_last``: Horovod's
@@ -467,102 +392,3 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         wrapped.state[p] = state
     broadcast_state(model, wrapped, root_rank)
     return model, wrapped
-
-
-class Warmup:
-    """Gradual warmup (Goyal et al. 2017, section 2.2) on top of the scaled learning rate,
-    composed with an optional scheduler of the user's (cosine, step, OneCycle, ...).
-
-    Each group's rate is ``scheduled x schedule.warmup_multiplier(step, factor, warmup_epochs,
-    steps_per_epoch)``, where ``scheduled`` is the rate the user's scheduler sets (or the scaled
-    rate when there is none) and ``factor`` is the group's ``hvdtrain_lr_scale``: the rate climbs
-    from the base rate to the scaled one over the warmup, then the user's schedule alone rules.
-    Before each step of the user's scheduler the warmup factor is taken out again, so recursive
-    schedulers (``StepLR``, ``CosineAnnealingLR``) see their own last rate. Without a user
-    scheduler the rate equals :func:`hvdtrain.schedule.lr_at` at every step.
-
-    The same interface as a ``torch.optim.lr_scheduler`` scheduler: call :meth:`step` after each
-    ``optimizer.step()``; :meth:`get_last_lr`, :meth:`state_dict`, :meth:`load_state_dict`.
-
-    Attributes:
-        last_step: optimizer steps taken so far (0 before the first).
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, *, warmup_epochs: float,
-                 steps_per_epoch: int, scheduler=None):
-        self.optimizer, self.scheduler = optimizer, scheduler
-        self.warmup_epochs, self.steps_per_epoch = warmup_epochs, steps_per_epoch
-        self.factors = []
-        for group in optimizer.param_groups:
-            if "hvdtrain_lr_scale" not in group:
-                raise ValueError("warmup() needs the optimizer returned by "
-                                 "hvdtrain.torch.distribute()")
-            self.factors.append(group["hvdtrain_lr_scale"])
-        if scheduler is not None and getattr(scheduler, "optimizer", None) is not None:
-            theirs = {id(g) for g in scheduler.optimizer.param_groups}
-            if theirs != {id(g) for g in optimizer.param_groups}:
-                raise ValueError("the scheduler drives other param groups than this optimizer's: "
-                                 "build it on the optimizer that distribute() returned")
-        schedule.warmup_multiplier(0, 1.0, warmup_epochs, steps_per_epoch)  # validates
-        self.last_step = 0
-        self._scheduled = [g["lr"] for g in optimizer.param_groups]
-        self._apply()
-
-    def _apply(self) -> None:
-        for group, rate, factor in zip(self.optimizer.param_groups, self._scheduled, self.factors):
-            group["lr"] = rate * schedule.warmup_multiplier(
-                self.last_step, factor, self.warmup_epochs, self.steps_per_epoch)
-
-    def step(self) -> None:
-        """Advance one optimizer step: the user's scheduler first (on the un-warmed rates), then
-        the warmup factor for the new step."""
-        for group, rate in zip(self.optimizer.param_groups, self._scheduled):
-            group["lr"] = rate
-        if self.scheduler is not None:
-            self.scheduler.step()
-        self._scheduled = [g["lr"] for g in self.optimizer.param_groups]
-        self.last_step += 1
-        self._apply()
-
-    def get_last_lr(self) -> list[float]:
-        """The rates in use now, one per param group."""
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    def state_dict(self) -> dict:
-        """``last_step``, the un-warmed rates and the user's scheduler's own state."""
-        return {"last_step": self.last_step, "scheduled": list(self._scheduled),
-                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Continue from :meth:`state_dict` (or from ``{"last_step": n}`` alone, which keeps
-        the current un-warmed rates: enough when there is no user scheduler)."""
-        self.last_step = int(state["last_step"])
-        if state.get("scheduled") is not None:
-            self._scheduled = list(state["scheduled"])
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        self._apply()
-
-
-def warmup(optimizer: torch.optim.Optimizer, *, warmup_epochs: float,
-           steps_per_epoch: int, scheduler=None) -> Warmup:
-    """A :class:`Warmup`: from the base lr to the scaled lr over ``warmup_epochs`` (Goyal et al.
-    2017, gradual warmup), composed with ``scheduler`` if given, else constant afterwards.
-
-    Call ``.step()`` after each ``optimizer.step()`` (and not ``scheduler.step()`` as well: the
-    warmup steps it). Works on an optimizer returned by :func:`distribute` (whose param groups
-    hold the scaled lr and ``hvdtrain_lr_scale``).
-
-    Args:
-        optimizer: the optimizer returned by :func:`distribute`.
-        warmup_epochs: epochs of warmup, >= 0 (0: no warmup).
-        steps_per_epoch: optimizer steps per epoch (see ``schedule.steps_per_epoch``).
-        scheduler: a ``torch.optim.lr_scheduler`` scheduler built on that optimizer after
-            :func:`distribute` (so its rates start from the scaled lr), or None.
-
-    Raises:
-        ValueError: the optimizer did not come from :func:`distribute`, the scheduler drives
-            another optimizer's groups, or a bad ``warmup_epochs``/``steps_per_epoch``.
-    """
-    return Warmup(optimizer, warmup_epochs=warmup_epochs, steps_per_epoch=steps_per_epoch,
-                  scheduler=scheduler)
