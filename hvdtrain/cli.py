@@ -216,6 +216,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     import subprocess
 
     from hvdtrain import hostfile as hf
+    from hvdtrain.tuning import YIELD_MCA, horovod_knobs, launch_tuning, visible_gpus
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         return _fail("no command to launch; write it after '--', e.g. "
@@ -258,16 +259,16 @@ def cmd_launch(args: argparse.Namespace) -> int:
     user_mca = dict(kv.split("=", 1) for kv in args.mca)
     if args.launcher == "horovodrun" and args.gloo:
         tuning = {}  # no MPI in the job; horovodrun_argv drops -mca settings anyway
-        print(f"hvdtrain: --gloo: no MPI, so no {hf.YIELD_MCA}", file=sys.stderr)
+        print(f"hvdtrain: --gloo: no MPI, so no {YIELD_MCA}", file=sys.stderr)
     else:  # nvidia-smi is only run for auto
-        gpus = hf.visible_gpus() if args.yield_when_idle == "auto" else 0
-        tuning, reason = hf.launch_tuning(args.yield_when_idle, gpus, env=env)
-        if hf.YIELD_MCA in user_mca:
-            reason += f"; --mca {hf.YIELD_MCA}={user_mca[hf.YIELD_MCA]} overrides this"
+        gpus = visible_gpus() if args.yield_when_idle == "auto" else 0
+        tuning, reason = launch_tuning(args.yield_when_idle, gpus, env=env)
+        if YIELD_MCA in user_mca:
+            reason += f"; --mca {YIELD_MCA}={user_mca[YIELD_MCA]} overrides this"
         print(f"hvdtrain: {reason}", file=sys.stderr)
     mca = {**tuning, **user_mca}
     try:
-        knobs = hf.horovod_knobs(args.fusion_threshold_mb, args.cycle_time_ms, args.autotune)
+        knobs = horovod_knobs(args.fusion_threshold_mb, args.cycle_time_ms, args.autotune)
     except ValueError as exc:
         return _fail(str(exc))
     if args.launcher == "horovodrun":

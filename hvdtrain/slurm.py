@@ -207,7 +207,7 @@ def srun_argv(np_: int, command: list[str], *, env: dict[str, str] | None = None
     srun forwards the whole environment to the tasks (``--export=ALL``, its default), so the
     launch tuning the mpirun path passes as ``-mca key value`` goes into the environment as
     ``OMPI_MCA_key=value`` (Open MPI reads its parameters from there), and Horovod's ``knobs``
-    (:func:`hvdtrain.hostfile.horovod_knobs`) as they are. ``--cpu-bind=none`` matches mpirun's
+    (:func:`hvdtrain.tuning.horovod_knobs`) as they are. ``--cpu-bind=none`` matches mpirun's
     ``-bind-to none`` (each rank's threads may use the cores hvdtrain gives it, inside whatever
     the allocation grants); ``--kill-on-bad-exit=1`` ends the other ranks when one fails, as
     mpirun does, instead of leaving them waiting in a collective.

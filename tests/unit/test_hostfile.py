@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from hvdtrain import hostfile as hf
+from hvdtrain import tuning
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -142,7 +143,7 @@ def test_launch_rejects_bad_input_before_launching(tmp_path):
 
 def test_launch_tuning_passes_to_both_launchers(tmp_path):
     h = read(tmp_path, "a slots=2\nb slots=1\n")
-    mca, _ = hf.launch_tuning("on")
+    mca, _ = tuning.launch_tuning("on")
     assert mca == {"mpi_yield_when_idle": "1"}
     argv, _ = hf.mpirun_argv(2, h, ["x"], mca=mca)
     assert argv[argv.index("mpi_yield_when_idle") - 1] == "-mca"
@@ -153,33 +154,33 @@ def test_launch_tuning_passes_to_both_launchers(tmp_path):
 
 
 def test_yield_when_idle_auto_is_on_for_cpu_hosts_and_off_for_gpu_hosts():
-    mca, reason = hf.launch_tuning("auto", gpus=0)
+    mca, reason = tuning.launch_tuning("auto", gpus=0)
     assert mca == {"mpi_yield_when_idle": "1"}
     assert reason.startswith("idle MPI ranks yield their core (mpi_yield_when_idle=1): no GPU "
                              "visible on this host")
     assert reason.endswith("--yield-when-idle off turns this off")
-    mca, reason = hf.launch_tuning("auto", gpus=4)
+    mca, reason = tuning.launch_tuning("auto", gpus=4)
     assert mca == {}
     assert reason.startswith("idle MPI ranks busy-poll (Open MPI's default, no "
                              "mpi_yield_when_idle): 4 GPUs visible on this host")
     assert reason.endswith("--yield-when-idle on forces yielding")
-    assert "1 GPU visible" in hf.launch_tuning("auto", gpus=1)[1]
+    assert "1 GPU visible" in tuning.launch_tuning("auto", gpus=1)[1]
 
 
 def test_yield_when_idle_forced_on_or_off_ignores_gpus():
     for gpus in (0, 2):
-        assert hf.launch_tuning("on", gpus) == (
+        assert tuning.launch_tuning("on", gpus) == (
             {"mpi_yield_when_idle": "1"},
             "idle MPI ranks yield their core (mpi_yield_when_idle=1): --yield-when-idle on")
-        assert hf.launch_tuning("off", gpus) == (
+        assert tuning.launch_tuning("off", gpus) == (
             {}, "idle MPI ranks busy-poll (Open MPI's default, no mpi_yield_when_idle): "
                 "--yield-when-idle off")
-    _, reason = hf.launch_tuning("off", env={"OMPI_MCA_mpi_yield_when_idle": "1"})
+    _, reason = tuning.launch_tuning("off", env={"OMPI_MCA_mpi_yield_when_idle": "1"})
     assert reason.endswith("; OMPI_MCA_mpi_yield_when_idle=1 from the environment still applies")
     with pytest.raises(ValueError, match="--yield-when-idle must be one of auto, on, off; got 'y"):
-        hf.launch_tuning("yes")
+        tuning.launch_tuning("yes")
     with pytest.raises(ValueError, match="gpus must be >= 0"):
-        hf.launch_tuning("auto", gpus=-1)
+        tuning.launch_tuning("auto", gpus=-1)
 
 
 def fake_smi(tmp_path, body):
@@ -206,22 +207,22 @@ def test_visible_gpus_counts_nvidia_smi_and_honours_cuda_visible_devices(tmp_pat
     env = {"PATH": fake_smi(tmp_path, TWO_GPUS)}
     if cuda_visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible
-    assert hf.visible_gpus(env) == expected
+    assert tuning.visible_gpus(env) == expected
 
 
 def test_visible_gpus_is_zero_without_a_working_nvidia_smi(tmp_path):
-    assert hf.visible_gpus({"PATH": str(tmp_path / "none")}) == 0
-    assert hf.visible_gpus({"PATH": fake_smi(tmp_path, "echo 'NVIDIA-SMI has failed'; exit 9")}) \
-        == 0
+    assert tuning.visible_gpus({"PATH": str(tmp_path / "none")}) == 0
+    assert tuning.visible_gpus(
+        {"PATH": fake_smi(tmp_path, "echo 'NVIDIA-SMI has failed'; exit 9")}) == 0
     hang = f"exec {shutil.which('sleep')} 30"  # PATH holds only the fake nvidia-smi
     started = time.monotonic()
-    assert hf.visible_gpus({"PATH": fake_smi(tmp_path, hang)}, timeout_s=0.5) == 0
+    assert tuning.visible_gpus({"PATH": fake_smi(tmp_path, hang)}, timeout_s=0.5) == 0
     assert 0.5 <= time.monotonic() - started < 10
-    assert hf.visible_gpus({"PATH": fake_smi(tmp_path, "echo 'No devices were found'")}) == 0
+    assert tuning.visible_gpus({"PATH": fake_smi(tmp_path, "echo 'No devices were found'")}) == 0
     # CUDA_VISIBLE_DEVICES hiding every device means no GPU without running nvidia-smi at all
     started = time.monotonic()
-    assert hf.visible_gpus({"PATH": fake_smi(tmp_path, hang), "CUDA_VISIBLE_DEVICES": "-1"},
-                           timeout_s=30) == 0
+    assert tuning.visible_gpus({"PATH": fake_smi(tmp_path, hang), "CUDA_VISIBLE_DEVICES": "-1"},
+                               timeout_s=30) == 0
     assert time.monotonic() - started < 10
 
 
@@ -240,7 +241,7 @@ def test_mpirun_forwards_gpu_and_open_mpi_variables(tmp_path):
 
 def test_horovod_knobs_reach_both_launchers(tmp_path):
     h = read(tmp_path, "a slots=2\n")
-    knobs = hf.horovod_knobs(fusion_threshold_mb=32, cycle_time_ms=2.5, autotune=True)
+    knobs = tuning.horovod_knobs(fusion_threshold_mb=32, cycle_time_ms=2.5, autotune=True)
     assert knobs == {"HOROVOD_FUSION_THRESHOLD": str(32 * 2**20), "HOROVOD_CYCLE_TIME": "2.5",
                      "HOROVOD_AUTOTUNE": "1"}
     argv, _ = hf.horovodrun_argv(2, h, ["x"], knobs=knobs)
@@ -251,4 +252,4 @@ def test_horovod_knobs_reach_both_launchers(tmp_path):
     for name in knobs:
         assert argv[argv.index(name) - 1] == "-x"
     with pytest.raises(ValueError, match="--cycle-time-ms must be > 0"):
-        hf.horovod_knobs(cycle_time_ms=0)
+        tuning.horovod_knobs(cycle_time_ms=0)

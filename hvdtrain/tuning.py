@@ -1,0 +1,144 @@
+"""Launch tuning: the machine-specific settings ``hvdtrain launch`` adds to a job for speed.
+
+:func:`visible_gpus` and :func:`launch_tuning` decide the one machine-specific MPI setting
+hvdtrain adds (``mpi_yield_when_idle``): on for CPU jobs, off where the launching host has GPUs.
+:func:`horovod_knobs` turns ``--fusion-threshold-mb``, ``--cycle-time-ms`` and ``--autotune``
+into Horovod's environment variables. Framework-free; the launchers' argv builders that take
+these settings are in :mod:`hvdtrain.hostfile` (and :mod:`hvdtrain.slurm` for srun).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+
+# `hvdtrain launch --yield-when-idle` values (see launch_tuning).
+YIELD_MODES = ("auto", "on", "off")
+YIELD_MCA = "mpi_yield_when_idle"
+
+
+def visible_gpus(env: dict[str, str] | None = None, timeout_s: float = 10.0) -> int:
+    """NVIDIA GPUs a process started on this host with ``env`` could use.
+
+    Counts the ``GPU <n>: ...`` lines of ``nvidia-smi -L`` (found on ``env["PATH"]``), then
+    applies ``CUDA_VISIBLE_DEVICES`` the way CUDA does: when it is set, only the devices it lists
+    up to its first invalid entry count, so ``""``, ``"-1"`` or ``"NoDevFiles"`` mean none (and
+    nvidia-smi is not run). A MIG-partitioned GPU counts once.
+
+    Never raises: no ``nvidia-smi`` on PATH, one that fails or one that runs longer than
+    ``timeout_s`` seconds all give 0. So a GPU host without ``nvidia-smi`` reads as a CPU host.
+
+    Args:
+        env: the environment (``PATH``, ``CUDA_VISIBLE_DEVICES``); defaults to ``os.environ``.
+        timeout_s: seconds to wait for ``nvidia-smi -L`` (it can hang on a broken driver).
+
+    Returns:
+        The number of GPUs, >= 0.
+    """
+    env = dict(os.environ if env is None else env)
+    listed = env.get("CUDA_VISIBLE_DEVICES")
+    entries = None if listed is None else [e.strip() for e in listed.split(",")]
+    if entries is not None and not _cuda_device_entry(entries[0]):
+        return 0
+    smi = shutil.which("nvidia-smi", path=env.get("PATH", os.defpath))
+    if smi is None:
+        return 0
+    try:
+        proc = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=timeout_s,
+                              env=env, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    if proc.returncode != 0:
+        return 0
+    found = sum(1 for line in proc.stdout.splitlines() if re.match(r"GPU [0-9]+:", line))
+    if entries is None:
+        return found
+    count = 0
+    for entry in entries:  # CUDA stops at the first entry that names no device
+        if not _cuda_device_entry(entry) or (entry.isdigit() and int(entry) >= found):
+            break
+        count += 1
+    return min(count, found)
+
+
+def _cuda_device_entry(entry: str) -> bool:
+    """A CUDA_VISIBLE_DEVICES entry that can name a device: an index or a GPU-/MIG- UUID."""
+    return entry.isdigit() or entry.startswith(("GPU-", "MIG-"))
+
+
+def launch_tuning(mode: str = "auto", gpus: int = 0,
+                  env: dict[str, str] | None = None) -> tuple[dict[str, str], str]:
+    """Whether idle MPI ranks should yield their core (Open MPI's ``mpi_yield_when_idle=1``).
+
+    Open MPI ranks (and Horovod's background thread inside MPI calls) busy-poll while they wait.
+    In a CPU job hvdtrain gives each rank's compute threads all the cores the host's ranks share
+    (``runtime.thread_budget``), so no core is spare for polling and the polling steals compute:
+    measured on a 2-core machine (benchmarks/README.md), a CNN at np=2 ran at 0.66x the
+    throughput it had with yielding (and lost a third even at np=1). In a GPU job each rank's
+    compute runs on its GPU and the CPU cores are mostly idle, so polling costs no compute and
+    yielding only adds MPI latency. ``auto`` therefore turns yielding on when no GPU is visible on
+    this (the launching) host and leaves it off otherwise; the launching host stands for all
+    hosts, so launch from a host of the same kind or say ``on``/``off``.
+
+    Args:
+        mode: ``auto``, ``on`` (always add it) or ``off`` (add nothing: Open MPI's default, or
+            an ``OMPI_MCA_mpi_yield_when_idle`` from the environment, applies).
+        gpus: GPUs visible on this host (:func:`visible_gpus`); only ``auto`` reads it.
+        env: the launch environment, only to mention an ``OMPI_MCA_mpi_yield_when_idle`` in it.
+
+    Returns:
+        ``({mca name: value}, reason)``: the ``-mca`` settings to add (empty for off) and one
+        sentence saying what was chosen and why, for the user.
+
+    Raises:
+        ValueError: ``mode`` is not one of :data:`YIELD_MODES`, or ``gpus`` < 0.
+    """
+    if mode not in YIELD_MODES:
+        raise ValueError(f"--yield-when-idle must be one of {', '.join(YIELD_MODES)}; got {mode!r}")
+    if gpus < 0:
+        raise ValueError(f"gpus must be >= 0, got {gpus}")
+    on = mode == "on" or (mode == "auto" and gpus == 0)
+    if mode != "auto":
+        why = f"--yield-when-idle {mode}"
+    elif gpus == 0:
+        why = ("no GPU visible on this host (nvidia-smi -L, CUDA_VISIBLE_DEVICES): the ranks "
+               "compute on the CPU cores they share, and a busy-polling rank would steal them")
+    else:
+        why = (f"{gpus} GPU{'s' if gpus > 1 else ''} visible on this host: the ranks compute on "
+               "their GPUs, and yielding would only add MPI latency")
+    if on:
+        hint = "; --yield-when-idle off turns this off" if mode == "auto" else ""
+        return {YIELD_MCA: "1"}, f"idle MPI ranks yield their core ({YIELD_MCA}=1): {why}{hint}"
+    reason = f"idle MPI ranks busy-poll (Open MPI's default, no {YIELD_MCA}): {why}"
+    inherited = (env or {}).get("OMPI_MCA_" + YIELD_MCA)
+    if inherited is not None:
+        reason += f"; OMPI_MCA_{YIELD_MCA}={inherited} from the environment still applies"
+    elif mode == "auto":
+        reason += "; --yield-when-idle on forces yielding"
+    return {}, reason
+
+
+def horovod_knobs(fusion_threshold_mb: int | None = None, cycle_time_ms: float | None = None,
+                  autotune: bool = False) -> dict[str, str]:
+    """Horovod's performance settings as environment variables (read by ``hvd.init()``):
+    ``HOROVOD_FUSION_THRESHOLD`` (bytes; tensors are fused into buffers of up to this size
+    before an all-reduce, default 64 MiB), ``HOROVOD_CYCLE_TIME`` (ms Horovod's background thread
+    waits to batch requests), ``HOROVOD_AUTOTUNE``
+    (Bayesian search of those settings while training).
+
+    Raises:
+        ValueError: a negative threshold or a cycle time <= 0.
+    """
+    env = {}
+    if fusion_threshold_mb is not None:
+        if fusion_threshold_mb < 0:
+            raise ValueError(f"--fusion-threshold-mb must be >= 0, got {fusion_threshold_mb}")
+        env["HOROVOD_FUSION_THRESHOLD"] = str(int(fusion_threshold_mb) * 1024 * 1024)
+    if cycle_time_ms is not None:
+        if cycle_time_ms <= 0:
+            raise ValueError(f"--cycle-time-ms must be > 0, got {cycle_time_ms}")
+        env["HOROVOD_CYCLE_TIME"] = str(cycle_time_ms)
+    if autotune:
+        env["HOROVOD_AUTOTUNE"] = "1"
+    return env
