@@ -24,9 +24,10 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # What scripts/setup.sh installs into an HVDTRAIN_PYTHON environment that lacks it (its probe's
-# `needs`) together with setup.py's install_requires; tests/unit/test_offline_bundle.py checks that
-# this list covers both.
-PACKAGES=(setuptools cffi packaging psutil cloudpickle pyyaml numpy tqdm tensorboardX filelock)
+# `needs`) together with setup.py's install_requires (tests/unit/test_offline_bundle.py checks that
+# this list covers both), and pytest for scripts/gpu_check.sh's tests.
+PACKAGES=(setuptools cffi packaging psutil cloudpickle pyyaml numpy tqdm tensorboardX filelock
+          pytest)
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
            manylinux_2_12_x86_64 manylinux2010_x86_64 manylinux1_x86_64)
 

@@ -142,6 +142,17 @@ find_nvcc() {  # the nvcc Horovod's build finds: on PATH, else in $HOROVOD_CUDA_
   done
   return 0
 }
+find_cuda_home() {  # the CUDA toolkit around nvcc: the folder with bin/nvcc and include/cuda_runtime.h
+  local home  # (nvcc on PATH may be a wrapper elsewhere; CMake looks for the headers next to it)
+  for home in "${HOROVOD_CUDA_HOME:-}" "${CUDA_HOME:-/usr/local/cuda}" "${CUDA_PATH:-}" \
+      "$(dirname "$(dirname "$(readlink -f "$nvcc")")")"; do
+    if [ -n "$home" ] && [ -x "$home/bin/nvcc" ] && [ -f "$home/include/cuda_runtime.h" ]; then
+      (cd "$home" && pwd)
+      return
+    fi
+  done
+  return 0
+}
 nccl_header_version() {  # nccl_header_version FILE: "2.27.3" from its NCCL_MAJOR/MINOR/PATCH
   awk '$1 == "#define" && $2 ~ /^NCCL_(MAJOR|MINOR|PATCH)$/ {v[$2] = $3}
        END {if (v["NCCL_MAJOR"] != "")
@@ -154,7 +165,11 @@ decide() {  # from the probe: mode (cpu|gpu), why, the cache key and the build's
     req=1 req_by="HOROVOD_GPU_OPERATIONS=NCCL"
   fi
   torch_v=${p_torch%%+*}
-  nvcc=$(find_nvcc) notice=''
+  nvcc=$(find_nvcc) notice='' cuda_home=''
+  [ -z "$nvcc" ] || cuda_home=$(find_cuda_home)
+  local no_toolkit="nvcc is $nvcc, but no CUDA toolkit with include/cuda_runtime.h was found"
+  no_toolkit+=" (in \$HOROVOD_CUDA_HOME, \$CUDA_HOME (default /usr/local/cuda), \$CUDA_PATH or"
+  no_toolkit+=" beside nvcc)"
   if [ "$req" = 0 ]; then
     mode=cpu why=$req_by
   elif [ "$req" = 1 ]; then
@@ -164,7 +179,13 @@ decide() {  # from the probe: mode (cpu|gpu), why, the cache key and the build's
     [ -n "$nvcc" ] || die "$req_by asks for a GPU build, but there is no nvcc (not on PATH, nor" \
       "in \$HOROVOD_CUDA_HOME/bin, \$CUDA_HOME/bin or /usr/local/cuda/bin): install the CUDA" \
       "toolkit (an nvidia/cuda *-devel image has it) or put its bin/ on PATH"
+    [ -n "$cuda_home" ] || die "$req_by asks for a GPU build; $no_toolkit: set" \
+      "HOROVOD_CUDA_HOME to the toolkit's folder"
     mode=gpu why=$req_by
+  elif [ -n "$p_torch_cuda" ] && [ -n "$nvcc" ] && [ -z "$cuda_home" ]; then
+    mode=cpu why="torch $p_torch has CUDA $p_torch_cuda, but $no_toolkit"
+    notice="Horovod is built without NCCL (CPU operations only): set HOROVOD_CUDA_HOME to the CUDA"
+    notice+=" toolkit's folder and rerun with HVDTRAIN_GPU=1 for GPU all-reduces"
   elif [ -n "$p_torch_cuda" ] && [ -n "$nvcc" ]; then
     mode=gpu why="torch $p_torch has CUDA $p_torch_cuda and nvcc is $nvcc"
   elif [ -n "$p_torch_cuda" ]; then
@@ -248,6 +269,11 @@ gpu_settings() {  # the GPU build's compute capabilities, NCCL and environment (
   nccl_v=$(nccl_header_version "$header")
   [ -n "$nccl_v" ] || die "$header does not define NCCL_MAJOR/NCCL_MINOR/NCCL_PATCH"
   [ -n "$(command -v nvcc)" ] || build_env[0]+=":$(dirname "$nvcc")"  # PATH, for Horovod's build
+  # Horovod's CMake takes its nvcc from HOROVOD_CUDA_HOME, and FindCUDAToolkit the headers and
+  # cudart beside that nvcc; its PyTorch part links the cudart of torch's CUDA_HOME, which torch
+  # derives from the nvcc on PATH when unset. From a wrapper such as /usr/local/bin/nvcc (execing
+  # the toolkit's) both would look in /usr/local and find neither.
+  build_env+=(HOROVOD_CUDA_HOME="$cuda_home" CUDA_HOME="$cuda_home")
   build_env+=(HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_BUILD_CUDA_CC_LIST="$cc_list")
   [ -z "$nccl_home" ] || build_env+=(HOROVOD_NCCL_HOME="$nccl_home")
   [ -z "$nccl_lib" ] || build_env+=(HOROVOD_NCCL_LINK=SHARED)
@@ -312,6 +338,7 @@ if [ "$PLAN" = 1 ]; then
   echo "sdist=${SDIST:-pip download horovod==$HOROVOD_VERSION}"
   if [ "$mode" = gpu ]; then
     echo "nvcc=$nvcc"
+    echo "cuda_home=$cuda_home"
     echo "cc_list=$cc_list ($cc_from)"
     echo "nccl=$nccl_v from $nccl_src"
   fi

@@ -84,14 +84,23 @@ def _nccl_wheel(tmp_path: Path) -> Path:
 NVCC = "#!/bin/sh\necho 'Cuda compilation tools, release 13.0, V13.0.88'\n"
 
 
+def _toolkit(root: Path, nvcc: str = NVCC) -> Path:
+    """A stand-in CUDA toolkit: ``bin/nvcc`` (a script's text) and ``include/cuda_runtime.h``."""
+    _exe(root / "bin" / "nvcc", nvcc)
+    (root / "include").mkdir(parents=True, exist_ok=True)
+    (root / "include" / "cuda_runtime.h").write_text("/* stand-in */\n")
+    return root
+
+
 def _env(tmp_path: Path, nvcc: str | None = NVCC, **extra) -> dict:
     """A clean environment: stand-ins first on PATH, caches under tmp_path, no CUDA toolkit except
-    the stand-in ``nvcc`` (a script's text; None: no nvcc)."""
+    the stand-in one holding ``nvcc`` (a script's text; None: no nvcc)."""
     fakebin = tmp_path / "fakebin"
     fakebin.mkdir(parents=True, exist_ok=True)
+    path = f"{fakebin}:/usr/bin:/bin"
     if nvcc:
-        _exe(fakebin / "nvcc", nvcc)
-    env = {"PATH": f"{fakebin}:/usr/bin:/bin", "HOME": str(tmp_path / "home"),
+        path = f"{_toolkit(tmp_path / 'cuda-standin', nvcc) / 'bin'}:{path}"
+    env = {"PATH": path, "HOME": str(tmp_path / "home"),
            "HVDTRAIN_CACHE": str(tmp_path / "cache"), "CUDA_HOME": str(tmp_path / "no-cuda"),
            "LANG": "C.UTF-8"}
     env.update({k: str(v) for k, v in extra.items()})
@@ -143,6 +152,8 @@ def test_cuda_torch_and_nvcc_give_an_nccl_build_for_the_gpus_present(tmp_path):
     assert build["HOROVOD_WITH_PYTORCH"] == build["HOROVOD_WITH_MPI"] == "1"
     assert plan["nccl"] == "2.27.3 from the nvidia-nccl-cu13 2.27.3 wheel"
     assert plan["cc_list"] == "90 (the GPUs present)"
+    assert build["HOROVOD_CUDA_HOME"] == build["CUDA_HOME"] == plan["cuda_home"] == str(
+        tmp_path / "cuda-standin")
     patches = "\n".join(plan["patch"])
     assert "set(CMAKE_CUDA_STANDARD 11) -> set(CMAKE_CUDA_STANDARD 17)" in patches
     assert "common.h: add #include <stdexcept>" in patches
@@ -171,6 +182,31 @@ def test_cc_list_from_the_environment_and_from_torch_without_a_gpu(tmp_path):
     plan = _plan(env)
     assert plan["env"]["HOROVOD_BUILD_CUDA_CC_LIST"] == "75,80,86,90"
     assert "is CUDA 12.4 but torch was built with CUDA 13.0" in plan["warning"]
+
+
+def test_the_toolkit_is_found_when_nvcc_on_path_is_a_wrapper_elsewhere(tmp_path):
+    """As on machines where /usr/local/bin/nvcc execs /usr/local/cuda-13.0/bin/nvcc: CMake looks
+    for the headers and cudart beside the nvcc it is given, so the build gets the toolkit's."""
+    env, _ = _gpu_env(tmp_path, nvcc=None)
+    toolkit = _toolkit(tmp_path / "cuda-13.0")
+    _exe(tmp_path / "fakebin" / "nvcc", f"#!/bin/sh\nexec {toolkit}/bin/nvcc \"$@\"\n")
+    env["CUDA_HOME"] = str(toolkit)
+    plan = _plan(env)
+    assert plan["mode"] == "gpu" and plan["nvcc"] == str(tmp_path / "fakebin" / "nvcc")
+    assert plan["env"]["HOROVOD_CUDA_HOME"] == plan["env"]["CUDA_HOME"] == str(toolkit)
+
+
+def test_nvcc_without_the_toolkit_headers_is_no_gpu_build(tmp_path):
+    env, _ = _gpu_env(tmp_path, nvcc=None)
+    _exe(tmp_path / "fakebin" / "nvcc", NVCC)  # no include/cuda_runtime.h anywhere
+    plan = _plan(env)
+    assert plan["mode"] == "cpu" and "no CUDA toolkit with include/cuda_runtime.h" in plan["why"]
+    assert "set HOROVOD_CUDA_HOME" in plan["notice"] and "HOROVOD_GPU_OPERATIONS" not in plan["env"]
+
+    proc = _setup({**env, "HVDTRAIN_GPU": "1"}, "--plan")
+    assert proc.returncode == 1
+    assert ("HVDTRAIN_GPU=1 asks for a GPU build; nvcc is "
+            f"{tmp_path / 'fakebin' / 'nvcc'}, but no CUDA toolkit") in proc.stderr
 
 
 def test_bad_cc_list_is_refused(tmp_path):
