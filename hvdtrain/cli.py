@@ -123,7 +123,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     except guard.DivergenceError as exc:  # every rank; rank 0 printed it before they stopped
         return 1 if exc.reported else _fail(str(exc), code=1)
     except runtime.NonFiniteLossError as exc:  # every rank stops at the same step
-        return _fail(str(exc), code=1)
+        return 1 if exc.reported else _fail(str(exc), code=1)
     return 0
 
 

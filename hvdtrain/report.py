@@ -16,14 +16,15 @@ training samples processed by all ranks per second.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hvdtrain import __version__, guard
+from hvdtrain import __version__, guard, runtime
 from hvdtrain.files import write_json
 from hvdtrain.tensorboard import Board
 
@@ -82,10 +83,12 @@ def run_header(framework: str, cfg, info, train_samples: int, test_samples: int,
             "config": cfg.to_dict(), "versions": dict(versions),
             # Filled in by the trainer where it applies: the checkpoint resumed from, optimizer
             # steps skipped for non-finite losses (None: not checked), whether every rank
-            # ended with the same weights, and the signal that stopped the run after a
-            # checkpoint (hvdtrain.preempt).
+            # ended with the same weights, the signal that stopped the run after a
+            # checkpoint (hvdtrain.preempt), and why a run stopped with an error (the
+            # divergence check; a non-finite loss with --on-nonfinite stop).
             "resumed_from": None, "skipped_steps": None, "ranks_agree": None,
-            "preempted": None, "large_batch_warning": warning, "diverged": None}
+            "preempted": None, "large_batch_warning": warning, "diverged": None,
+            "nonfinite_stop": None}
 
 
 def setup_logging(rank: int) -> None:
@@ -150,15 +153,39 @@ class RunReport:
                                                         cfg.lr_scaling)
         if not why:
             return
-        self.header["diverged"] = why
         message = (f"{why}; epoch {metrics.epoch} was not checkpointed: --resume from "
                    f"{self.path.parent} continues from the checkpoint before it")
         self.add(metrics)
+        self._stop_together("diverged", why, message, hold)
+        raise guard.DivergenceError(message, reported=True)
+
+    @contextlib.contextmanager
+    def stops_on_nonfinite(self, hold: Callable[[], None]) -> Iterator[None]:
+        """Around the training loop, on every rank: a
+        :class:`~hvdtrain.runtime.NonFiniteLossError` (``--on-nonfinite stop``; every rank raises
+        it at the same step) is recorded as ``nonfinite_stop`` in ``metrics.json`` and printed by
+        rank 0, then every rank calls ``hold`` (a collective, as for :meth:`check_divergence`) and
+        the error goes on with ``reported`` True.
+
+        Raises:
+            runtime.NonFiniteLossError: the one raised inside, with ``reported`` True.
+        """
+        try:
+            yield
+        except runtime.NonFiniteLossError as exc:
+            self._stop_together("nonfinite_stop", str(exc), str(exc), hold)
+            raise runtime.NonFiniteLossError(str(exc), reported=True) from exc
+
+    def _stop_together(self, key: str, value, message: str, hold: Callable[[], None]) -> None:
+        """Record why the run stops (``key`` in ``metrics.json``, written atomically), close the
+        TensorBoard events and print ``message`` on rank 0; then ``hold`` on every rank, so that
+        no rank exits before rank 0 is done: launchers end the whole job at the first exit."""
+        self.header[key] = value
         self.board.close()
         if self.is_root:
+            self.write()
             print(f"hvdtrain: error: {message}", file=sys.stderr, flush=True)
         hold()
-        raise guard.DivergenceError(message, reported=True)
 
     def to_dict(self) -> dict:
         """The whole report as a JSON-ready dict."""

@@ -249,7 +249,16 @@ def ranks_where(flag: bool, rank: int, size: int, allreduce_sums) -> list[int]:
 
 class NonFiniteLossError(RuntimeError):
     """A loss was NaN/Inf on some rank and ``--on-nonfinite stop`` was chosen (raised on every
-    rank at the same optimizer step)."""
+    rank at the same optimizer step).
+
+    Attributes:
+        reported: rank 0 recorded it in ``metrics.json`` and printed it already, before the ranks
+            stopped together (:meth:`hvdtrain.report.RunReport.stops_on_nonfinite`).
+    """
+
+    def __init__(self, message: str, reported: bool = False):
+        super().__init__(message)
+        self.reported = reported
 
 
 def nonfinite_message(bad_ranks: list[int], step: int, epoch: int) -> str:

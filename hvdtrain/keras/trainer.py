@@ -367,7 +367,8 @@ def _fit(cfg: TrainConfig, info) -> dict:
     first = start_epoch + (1 if start_micro else 0)
     if first < cfg.epochs:
         phases.append((first, cfg.epochs, micro_per_epoch, 0))
-    with signals, report.board:
+    with signals, report.board, report.stops_on_nonfinite(hold=lambda: _backend.broadcast_object(
+            None, root_rank=0, name="hvdtrain.nonfinite.stop")):
         for initial, end, steps, done in phases:
             dataset = sharding.shard_dataset(
                 x_train, split.y_train, batch_size=cfg.batch_size, seed=cfg.seed, info=info,

@@ -250,7 +250,8 @@ def fit(cfg: TrainConfig) -> dict:
                 "counters": {"skipped": skipped, "overflows": overflows},
                 "metrics": [vars(e) for e in epochs]})
 
-    with signals, report.board:
+    with signals, report.board, report.stops_on_nonfinite(hold=lambda: hvd.broadcast_object(
+            None, root_rank=0, name="hvdtrain.nonfinite.stop")):
         for epoch in range(start_epoch, cfg.epochs):
             skip = start_batch if epoch == start_epoch else 0
             sampler.set_epoch(epoch)

@@ -178,9 +178,14 @@ def test_nan_on_one_rank_skips_the_step_on_all_ranks(tmp_path, framework):
 def test_nan_with_stop_ends_the_job_with_a_clear_message(tmp_path, framework):
     proc = run(train(tmp_path, "--epochs", "2", "-k", "2", "--fault-nan-at", "0:3",
                      "--on-nonfinite", "stop", "--no-progress", framework=framework), check=False)
-    assert proc.returncode != 0
+    assert proc.returncode == 1
     assert "non-finite loss on rank(s) [0] at optimizer step 3" in Console.of(proc).text
     assert "--on-nonfinite stop" in Console.of(proc).text
+    # Rank 0 recorded the stop before the ranks stopped together (no epoch was finished).
+    m = metrics(tmp_path)
+    assert m["nonfinite_stop"].startswith("non-finite loss on rank(s) [0] at optimizer step 3")
+    assert m["nonfinite_stop"].endswith("stopped (--on-nonfinite stop). Lower --lr or check the data")
+    assert m["epochs"] == [] and m["diverged"] is None
 
 
 @FRAMEWORKS
