@@ -9,7 +9,7 @@ export PATH := $(VENV)/bin:$(PATH)
 export OMPI_MCA_mpi_yield_when_idle ?= 1
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: setup demo test unit parallel bench doctor clean
+.PHONY: setup demo test unit parallel bench doctor gpu-check clean
 
 setup:
 	bash scripts/setup.sh
@@ -39,6 +39,10 @@ bench: setup
 
 doctor: setup
 	hvdtrain doctor
+
+# On a GPU machine: NCCL set-up, tests/gpu and the ResNet-50 benchmark, evidence in runs/gpu-check.
+gpu-check:
+	bash scripts/gpu_check.sh runs/gpu-check
 
 clean:
 	rm -rf runs .pytest_cache build *.egg-info
