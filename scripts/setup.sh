@@ -199,11 +199,21 @@ decide() {  # from the probe: mode (cpu|gpu), why, the cache key and the build's
   # so the CUDA patches apply then too.
   patch_mode=cpu
   [ -z "$p_torch_cuda" ] || patch_mode=gpu
-  tf_part=notf
-  [ -z "$p_tf" ] || tf_part=tf$p_tf
+  # Horovod's TensorFlow ops get built when TensorFlow is there, except in a GPU build: with
+  # NCCL they call stream_executor::gpu::AsGpuStreamValue, which TensorFlow 2.21 no longer has
+  # (seen: "undefined symbol: _ZN15stream_executor3gpu16AsGpuStreamValueEPNS_6StreamE" when
+  # horovod.tensorflow loads). Keras then runs on its PyTorch backend (horovod.torch).
+  with_tf='' tf_part=notf
+  if [ -n "$p_tf" ] && [ "$mode" = gpu ]; then
+    notice="GPU build: Horovod's TensorFlow ops are left out (with NCCL they need a TensorFlow"
+    notice+=" API that TensorFlow $p_tf no longer has); Keras runs on its PyTorch backend here"
+    notice+=" (hvdtrain train --keras-backend torch, KERAS_BACKEND=torch)"
+  elif [ -n "$p_tf" ]; then
+    with_tf=1 tf_part=tf$p_tf
+  fi
   key="horovod-$HOROVOD_VERSION-torch$torch_v-$tf_part-$p_py-$PATCH_ID"
   build_env=(PATH="/usr/bin:$PATH" CMAKE_POLICY_VERSION_MINIMUM=3.5 HOROVOD_WITH_PYTORCH=1)
-  if [ -n "$p_tf" ]; then
+  if [ -n "$with_tf" ]; then
     build_env+=(HOROVOD_WITH_TENSORFLOW=1)
   else
     build_env+=(HOROVOD_WITHOUT_TENSORFLOW=1)
@@ -325,8 +335,10 @@ if [ "$PLAN" = 1 ]; then
   echo "mode=$mode"
   echo "why=$why"
   echo "torch=$p_torch"
-  if [ -n "$p_tf" ]; then
+  if [ -n "$with_tf" ]; then
     echo "tensorflow=$p_tf_package $p_tf"
+  elif [ -n "$p_tf" ]; then
+    echo "tensorflow=$p_tf_package $p_tf (Horovod without TensorFlow: a GPU build)"
   else
     echo "tensorflow=none (Horovod without TensorFlow)"
   fi
@@ -437,7 +449,7 @@ mkdir -p "$STATE"
 
 # ---- 3. Horovod wheel, built once and cached ---------------------------------------------------
 have_horovod() {
-  "$PY" - "$HOROVOD_VERSION" "${p_tf:+tf}" "$mode" <<'PY' 2>/dev/null
+  "$PY" - "$HOROVOD_VERSION" "${with_tf:+tf}" "$mode" <<'PY' 2>/dev/null
 import sys
 import horovod, horovod.torch as ht
 if sys.argv[2]:
@@ -490,7 +502,7 @@ install_horovod() {
   "$PY" -m pip install --disable-pip-version-check --no-deps --force-reinstall \
     "$wheel_dir"/horovod-*.whl
   have_horovod || {
-    echo "Horovod installed but lacks PyTorch${p_tf:+/TensorFlow}/MPI/Gloo${nccl_v:+/NCCL} support"
+    echo "Horovod installed but lacks PyTorch${with_tf:+/TensorFlow}/MPI/Gloo${nccl_v:+/NCCL} support"
     exit 1
   }
 }
@@ -569,6 +581,7 @@ where=$VENV
 [ -z "$TARGET_PYTHON" ] || where=$PY
 tf_desc="$p_tf_package $p_tf"
 [ -n "$p_tf" ] || tf_desc="no TensorFlow"
+[ -z "$p_tf" ] || [ -n "$with_tf" ] || tf_desc+=", Horovod without TensorFlow: Keras on its PyTorch backend"
 if [ "$mode" = gpu ]; then
   ready="ready: $where (Horovod $HOROVOD_VERSION with NCCL $nccl_v, torch $p_torch, $tf_desc)"
   if [ -n "$ENV_FILE" ]; then

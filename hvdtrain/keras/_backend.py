@@ -13,7 +13,16 @@ import numpy as np
 
 NAME = keras.backend.backend()
 if NAME == "tensorflow":
-    import horovod.tensorflow as hvd
+    try:
+        import horovod.tensorflow as hvd
+    except ImportError as exc:  # e.g. a GPU build: scripts/setup.sh leaves the TF ops out
+        raise ImportError(
+            f"hvdtrain.keras on Keras's TensorFlow backend needs Horovod's TensorFlow ops, and "
+            f"this Horovod has none ({exc}). scripts/setup.sh leaves them out of GPU builds "
+            f"(they need a TensorFlow API that TensorFlow 2.21 no longer has): run Keras on its "
+            f"PyTorch backend (hvdtrain train --keras-backend torch, or KERAS_BACKEND=torch), or "
+            f"build Horovod for the CPU with TensorFlow installed (HVDTRAIN_GPU=0 make setup)"
+        ) from exc
     import tensorflow as tf
 elif NAME == "torch":
     import horovod.torch as hvd

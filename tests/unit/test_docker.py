@@ -38,12 +38,13 @@ def test_images_use_the_same_setup_script(name):
 
 
 def test_gpu_image_builds_horovod_with_nccl():
-    """The GPU image asks setup.sh for its GPU build (which sets HOROVOD_GPU_OPERATIONS=NCCL) with
-    the GPU TensorFlow package, on a CUDA devel image (nvcc), and puts torch's NCCL on the loader
-    path as setup.sh's hvdtrain-env.sh does."""
+    """The GPU image asks setup.sh for its GPU build (which sets HOROVOD_GPU_OPERATIONS=NCCL) on a
+    CUDA devel image (nvcc), runs Keras on its PyTorch backend (the GPU build has no TensorFlow
+    ops), and puts torch's NCCL on the loader path as setup.sh's hvdtrain-env.sh does."""
     text = (DOCKER / "Dockerfile.gpu").read_text()
     run = next(line for line in text.splitlines() if "bash scripts/setup.sh" in line)
-    assert "HVDTRAIN_GPU=1" in run and "HVDTRAIN_TF_PACKAGE=tensorflow " in run
+    assert "HVDTRAIN_GPU=1" in run and "HVDTRAIN_TF_PACKAGE" not in run
+    assert "KERAS_BACKEND" in _env_names(text) and "    KERAS_BACKEND=torch" in text
     assert re.search(r"^FROM nvidia/cuda:[0-9.]+-(cudnn-)?devel-ubuntu", text, re.MULTILINE)
     assert "HOROVOD_GPU_OPERATIONS=NCCL" in (ROOT / "scripts" / "setup.sh").read_text()
     assert re.search(r"^ENV LD_LIBRARY_PATH=/opt/hvdtrain/.venv/lib/python3.11/site-packages/"

@@ -209,6 +209,23 @@ def test_nvcc_without_the_toolkit_headers_is_no_gpu_build(tmp_path):
             f"{tmp_path / 'fakebin' / 'nvcc'}, but no CUDA toolkit") in proc.stderr
 
 
+def test_a_gpu_build_leaves_horovods_tensorflow_ops_out(tmp_path):
+    """Seen with TensorFlow 2.21: Horovod's TensorFlow ops built with NCCL fail to load (undefined
+    symbol stream_executor::gpu::AsGpuStreamValue), so a GPU build is PyTorch-only and says so;
+    the CPU build of the same environment keeps them."""
+    env, _ = _gpu_env(tmp_path, facts={"tf_package": "tensorflow", "tf": "2.21.0"})
+    plan = _plan(env)
+    assert plan["mode"] == "gpu" and "-notf-" in plan["key"]
+    assert plan["env"]["HOROVOD_WITHOUT_TENSORFLOW"] == "1"
+    assert "HOROVOD_WITH_TENSORFLOW" not in plan["env"]
+    assert plan["tensorflow"] == "tensorflow 2.21.0 (Horovod without TensorFlow: a GPU build)"
+    assert "Keras runs on its PyTorch backend here" in plan["notice"]
+
+    plan = _plan({**env, "HVDTRAIN_GPU": "0"})
+    assert plan["mode"] == "cpu" and "-tf2.21.0-" in plan["key"]
+    assert plan["env"]["HOROVOD_WITH_TENSORFLOW"] == "1" and "notice" not in plan
+
+
 def test_bad_cc_list_is_refused(tmp_path):
     env, _ = _gpu_env(tmp_path, HOROVOD_BUILD_CUDA_CC_LIST="sm_90")
     proc = _setup(env, "--plan")
