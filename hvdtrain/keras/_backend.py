@@ -13,17 +13,21 @@ import numpy as np
 
 NAME = keras.backend.backend()
 if NAME == "tensorflow":
+    import tensorflow as tf
     try:
         import horovod.tensorflow as hvd
-    except ImportError as exc:  # e.g. a GPU build: scripts/setup.sh leaves the TF ops out
+    except (ImportError, tf.errors.NotFoundError) as exc:
+        # Not built (scripts/setup.sh leaves the TF ops out of GPU builds), or built with NCCL
+        # against a TensorFlow that lacks the API they call ("undefined symbol").
+        if not any(s in str(exc) for s in ("has not been built", "undefined symbol")):
+            raise
         raise ImportError(
             f"hvdtrain.keras on Keras's TensorFlow backend needs Horovod's TensorFlow ops, and "
-            f"this Horovod has none ({exc}). scripts/setup.sh leaves them out of GPU builds "
-            f"(they need a TensorFlow API that TensorFlow 2.21 no longer has): run Keras on its "
-            f"PyTorch backend (hvdtrain train --keras-backend torch, or KERAS_BACKEND=torch), or "
-            f"build Horovod for the CPU with TensorFlow installed (HVDTRAIN_GPU=0 make setup)"
-        ) from exc
-    import tensorflow as tf
+            f"this Horovod has no usable ones ({exc}). scripts/setup.sh leaves them out of GPU "
+            f"builds (with NCCL they need a TensorFlow API that recent TensorFlow no longer has): "
+            f"run Keras on its PyTorch backend (hvdtrain train --keras-backend torch, or "
+            f"KERAS_BACKEND=torch), or build Horovod for the CPU with TensorFlow installed "
+            f"(HVDTRAIN_GPU=0 make setup)") from exc
 elif NAME == "torch":
     import horovod.torch as hvd
     import torch

@@ -24,8 +24,8 @@ import torch
 from hvdtrain import accumulation, runtime, schedule
 from hvdtrain.accumulation import check_distribute_args, leading_dim
 from hvdtrain.torch.buffers import _dense_layout_tensors_, convert_sync_batchnorm
-# Re-exported, as before they had modules of their own: the trainer calls adapter.sync_buffers
-# and adapter.warmup.
+# Also importable from here (they lived here before torch/buffers.py and torch/scheduler.py);
+# the trainer calls them as adapter.sync_buffers and adapter.warmup.
 from hvdtrain.torch.buffers import sync_buffers  # noqa: F401
 from hvdtrain.torch.scheduler import Warmup, warmup  # noqa: F401
 

@@ -22,9 +22,10 @@ def script(name: str) -> list[str]:
     return [sys.executable, str(HERE / name)]
 
 
-def train(out_dir: Path, *options: str, epochs: int = 3) -> list[str]:
-    """``horovodrun -np 1 hvdtrain train --framework torch`` on digits into ``out_dir``."""
-    return horovodrun(1, str(BIN / "hvdtrain"), "train", "--framework", "torch", "--dataset",
+def train(out_dir: Path, *options: str, epochs: int = 3, framework: str = "torch") -> list[str]:
+    """``horovodrun -np 1 hvdtrain train --framework torch`` (or ``framework``) on digits into
+    ``out_dir``."""
+    return horovodrun(1, str(BIN / "hvdtrain"), "train", "--framework", framework, "--dataset",
                       "digits", "--epochs", str(epochs), "--output-dir", str(out_dir),
                       "--no-progress", *options)
 

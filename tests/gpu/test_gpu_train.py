@@ -1,6 +1,7 @@
 """``hvdtrain train --framework torch`` on one CUDA GPU (``horovodrun -np 1``), against the same
 runs on the CPU: fp32 numerics, mixed precision with accumulation, BatchNorm, and a checkpoint
-written on the GPU resumed on the CPU. Skipped without CUDA (see conftest.py).
+written on the GPU resumed on the CPU; and Keras on its PyTorch backend on the GPU. Skipped
+without CUDA (see conftest.py).
 
 Digits (1,437 train / 360 test samples), batch 16, 3 epochs unless stated. Reference numbers,
 measured on the CPU with the same options (epoch-3 held-out accuracy): fp32 0.939; bf16 k=2
@@ -92,6 +93,17 @@ def test_batchnorm_trains_on_cuda(tmp_path):
     state = torch.load(tmp_path / "checkpoint.pt", weights_only=True, map_location="cpu")["model"]
     stats = [k for k in state if k.endswith("running_var")]
     assert len(stats) == 2 and all(bool((state[k] > 0).all()) for k in stats)
+
+
+def test_keras_on_its_pytorch_backend_trains_on_cuda(tmp_path):
+    """On GPUs Keras runs on its PyTorch backend (a GPU build of Horovod has no TensorFlow ops:
+    scripts/setup.sh), its gradients all-reduced by horovod.torch over NCCL."""
+    run(train(tmp_path, "--device", "cuda", "--keras-backend", "torch", framework="keras"))
+    m = metrics(tmp_path)
+    check_run(m, "cuda:0")
+    assert m["versions"]["keras_backend"] == "torch"
+    assert m["final_test_accuracy"] >= 0.85
+    assert m["epochs"][-1]["train_loss"] < m["epochs"][0]["train_loss"]
 
 
 @pytest.mark.parametrize("gpu_visible", [True, False], ids=["gpu-visible", "cpu-only-process"])

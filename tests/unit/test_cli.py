@@ -139,3 +139,23 @@ def test_launch_dry_run_mpich_hostfile_gloo_and_bad_mca(capsys, launch_env):
     assert rc == 2 and argv == []
     assert err == ("hvdtrain: error: --mca 'btl' is not KEY=VALUE; write e.g. "
                    "--mca btl_tcp_if_include=eth0\n")
+
+
+def test_report_shows_a_run_stopped_before_its_first_epoch(tmp_path):
+    """A run stopped by a non-finite loss (or preempted) in epoch 1 has no accuracy or rate yet:
+    `hvdtrain report` prints "-" for them, and the numbers of a finished run beside it."""
+    from hvdtrain.cli import main
+    header = {"framework": "torch", "size": 2, "global_batch": 32, "versions": {}}
+    runs = {"stopped": {**header, "epochs": [], "final_test_accuracy": None,
+                        "samples_per_sec": None, "nonfinite_stop": "non-finite loss ..."},
+            "done": {**header, "epochs": [{}], "final_test_accuracy": 0.9712,
+                     "samples_per_sec": 1234.4}}
+    for name, m in runs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.json").write_text(json.dumps(m))
+    rows = tmp_path / "rows.json"
+    assert main(["report", str(tmp_path / "stopped"), str(tmp_path / "done"),
+                 "--json-out", str(rows)]) == 0
+    stopped, done = json.loads(rows.read_text())
+    assert stopped["test_accuracy"] is None and stopped["epochs"] == 0
+    assert done["test_accuracy"] == 0.9712

@@ -163,6 +163,15 @@ def test_nccl_build_with_and_without_gpus():
     assert gpu_notes(parse_check_build(FULL), NO_GPU) == []
 
 
+def test_gpu_build_without_tensorflow_points_keras_to_its_pytorch_backend():
+    """scripts/setup.sh builds GPU Horovod without TensorFlow on purpose; doctor must not advise
+    the rebuild that would fail, but the backend that works."""
+    info = parse_check_build(WITH_NCCL.replace("[X] TensorFlow", "[ ] TensorFlow"))
+    (note,) = notes(info, on=Machine(gpus=(H100,), torch_cuda="13.0"))
+    assert "as scripts/setup.sh builds for GPUs" in note and "--keras-backend torch" in note
+    assert "HOROVOD_WITH_TENSORFLOW" not in note
+
+
 def test_report_shows_gpus_cuda_and_nccl():
     on = Machine(gpus=(H100,), driver_cuda="13.0", torch_cuda="13.0")
     text = report(parse_check_build(WITH_NCCL), on)

@@ -192,7 +192,7 @@ def test_the_toolkit_is_found_when_nvcc_on_path_is_a_wrapper_elsewhere(tmp_path)
     _exe(tmp_path / "fakebin" / "nvcc", f"#!/bin/sh\nexec {toolkit}/bin/nvcc \"$@\"\n")
     env["CUDA_HOME"] = str(toolkit)
     plan = _plan(env)
-    assert plan["mode"] == "gpu" and plan["nvcc"] == str(tmp_path / "fakebin" / "nvcc")
+    assert plan["mode"] == "gpu" and plan["nvcc"] == str(toolkit / "bin" / "nvcc")
     assert plan["env"]["HOROVOD_CUDA_HOME"] == plan["env"]["CUDA_HOME"] == str(toolkit)
 
 
