@@ -216,9 +216,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     import os
     import shlex
     import shutil
-    import subprocess
 
     from hvdtrain import hostfile as hf
+    from hvdtrain.preempt import run_forwarding_signals
     from hvdtrain.tuning import YIELD_MCA, horovod_knobs, launch_tuning, visible_gpus
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
@@ -301,31 +301,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if shutil.which(argv[0], path=env.get("PATH")) is None:
         return _fail(f"{argv[0]} not found on PATH; run 'make setup' (Open MPI and Horovod) or "
                      "use another --launcher")
-    return _run_forwarding_signals(argv, env)
-
-
-def _run_forwarding_signals(argv: list[str], env: dict[str, str]) -> int:
-    """Run the launcher and pass SIGTERM and SIGUSR1 on to it (mpirun and srun hand them to the
-    ranks, which checkpoint and stop: :mod:`hvdtrain.preempt`), so that a signal for the job
-    step or the batch shell (``sbatch --signal=B:USR1@T``, a container's PID 1) is not lost by
-    killing ``hvdtrain launch``. Returns the launcher's exit status."""
-    import signal
-    import subprocess
-
-    proc = subprocess.Popen(argv, env=env)
-
-    def forward(signum, frame):
-        try:
-            proc.send_signal(signum)
-        except ProcessLookupError:
-            pass
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        return proc.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    return run_forwarding_signals(argv, env)
 
 
 def _launch_elastic(args: argparse.Namespace, command: list[str]) -> int:
