@@ -155,9 +155,7 @@ class RunReport:
             return
         message = (f"{why}; epoch {metrics.epoch} was not checkpointed: --resume from "
                    f"{self.path.parent} continues from the checkpoint before it")
-        self.epochs.append(metrics)  # written with the verdict, and its TensorBoard scalars:
-        if self.is_root:
-            self.board.epoch(metrics, self.header["global_batch"])
+        self.add(metrics)  # logged, written and on TensorBoard like any epoch
         self._stop_together("diverged", why, message, hold)
         raise guard.DivergenceError(message, reported=True)
 
