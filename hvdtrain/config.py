@@ -180,9 +180,9 @@ class TrainConfig:
         if self.fault_nan_at:
             self.fault()
         if self.elastic:
-            if self.backward_passes_per_step != 1 or self.resume or self.fault_nan_at:
-                raise ConfigError("--elastic trains with -k 1 and without --resume or "
-                                  "--fault-nan-at (it keeps its own state); drop those options")
+            if self.backward_passes_per_step != 1 or self.resume:
+                raise ConfigError("--elastic trains with -k 1 and without --resume (it keeps "
+                                  "its own state); drop those options")
             if self.precision != "fp32" or self.batchnorm or self.device == "cuda":
                 raise ConfigError("--elastic trains in fp32 on the CPU, without --batchnorm, "
                                   "for now; drop --precision/--batchnorm/--device cuda")

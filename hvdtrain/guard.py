@@ -95,7 +95,7 @@ CHANCE_MARGIN = 0.05
 
 
 def divergence(epochs: list, warmup_epochs: float, num_classes: int,
-               lr_scaling: str = "linear") -> str | None:
+               lr_scaling: str = "linear", warmup: bool = True) -> str | None:
     """Why the run diverged at its last epoch, or None.
 
     Checked only after warmup and from the second epoch on (the first is the reference, and a
@@ -111,6 +111,8 @@ def divergence(epochs: list, warmup_epochs: float, num_classes: int,
         num_classes: number of classes (chance accuracy is ``1 / num_classes``).
         lr_scaling: the run's scaling rule (``--lr-scaling sqrt`` is suggested only to a
             linear run).
+        warmup: whether the run can warm up (a longer ``--warmup-epochs`` is suggested only
+            then; elastic runs have no warmup).
 
     Returns:
         A message naming the epoch, the numbers compared and what to try.
@@ -130,6 +132,8 @@ def divergence(epochs: list, warmup_epochs: float, num_classes: int,
     else:
         return None
     sqrt = "use --lr-scaling sqrt, " if lr_scaling == "linear" else ""
-    return (f"training diverged in epoch {last.epoch} (after warmup): {why}. Lower --lr, {sqrt}"
-            "use a longer --warmup-epochs, or a smaller global batch (fewer ranks or a smaller "
-            "-k); --no-divergence-check trains on regardless")
+    longer = "use a longer --warmup-epochs, " if warmup else ""
+    after = " (after warmup)" if warmup else ""
+    return (f"training diverged in epoch {last.epoch}{after}: {why}. Lower --lr, {sqrt}"
+            f"{longer}or a smaller global batch (fewer ranks or a smaller -k); "
+            "--no-divergence-check trains on regardless")

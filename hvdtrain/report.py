@@ -217,3 +217,36 @@ def write_elastic_report(output_dir: str | os.PathLike, header: dict, history: l
     if is_root:
         write_json(report.path, result)
     return result
+
+
+def stop_elastic(output_dir: str | os.PathLike, header: dict, history: list[dict], size: int,
+                 is_root: bool, key: str, message: str, hold: Callable[[], None]) -> None:
+    """An elastic run stops with an error, on every rank at the same point (a non-finite loss
+    with ``--on-nonfinite stop``: ``key`` ``"nonfinite_stop"``; the divergence check:
+    ``"diverged"``): ``header[key]`` becomes ``message``, rank 0 rewrites ``metrics.json``
+    (:func:`write_elastic_report`, atomically, with the committed epochs in ``history``) and
+    prints the error; then every rank calls ``hold`` (a collective from rank 0), so that no rank
+    exits before rank 0 is done. The caller raises next; every worker then exits 1 and Horovod
+    Elastic's driver, seeing all of them fail, ends the job instead of resetting it."""
+    header[key] = message
+    write_elastic_report(output_dir, header, history, size, is_root)
+    if is_root:
+        print(f"hvdtrain: error: {message}", file=sys.stderr, flush=True)
+    hold()
+
+
+def elastic_divergence(history: list[dict], metrics: EpochMetrics, cfg,
+                       num_classes: int) -> str | None:
+    """The divergence check (:func:`hvdtrain.guard.divergence`) of an elastic run at the end of
+    an epoch, before its checkpoint: ``history`` is the committed epochs (as in
+    :func:`write_elastic_report`), ``metrics`` the epoch just trained (all-reduced, so every rank
+    reaches the same verdict). Elastic runs have no warmup, so every epoch from the second on is
+    checked. None when the run is fine or ``cfg.divergence_check`` is off; else the error
+    message."""
+    if not cfg.divergence_check:
+        return None
+    epochs = [EpochMetrics(**{k: v for k, v in e.items() if k not in ELASTIC_EXTRA})
+              for e in history]
+    why = guard.divergence(epochs + [metrics], 0, num_classes, cfg.lr_scaling, warmup=False)
+    return why and (f"{why}; epoch {metrics.epoch} was not checkpointed: the checkpoint in "
+                    f"{cfg.output_dir} is the epoch before it")

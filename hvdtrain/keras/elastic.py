@@ -14,9 +14,16 @@ the epoch, counters) and carries on. Each epoch visits a permutation of the trai
 split among the current workers (strided, padded to equal length like Horovod's
 ``ElasticSampler``), so committed work is neither repeated nor lost. The learning rate is
 rescaled for the new world size at every reset (``schedule.scale_factor``).
+
+A step whose all-reduced gradients are not finite is skipped on every worker
+(:class:`~hvdtrain.keras.optimizer.NonFiniteGuard`), or stops the run (``--on-nonfinite``), and
+the divergence check runs at each epoch's end, as in :func:`hvdtrain.keras.trainer.fit`; either
+stop is recorded in ``metrics.json`` and ends the job (every worker exits 1, so Horovod Elastic
+does not reset).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -30,13 +37,14 @@ from horovod.common.elastic import ObjectState
 from horovod.common.exceptions import HorovodInternalError
 from keras import ops
 
-from hvdtrain import runtime, schedule
+from hvdtrain import guard, runtime, schedule
 from hvdtrain.config import TrainConfig
 from hvdtrain.keras import _backend, adapter, checkpoint
 from hvdtrain.keras.optimizer import schedule_of
 from hvdtrain.keras.models import build_model
-from hvdtrain.keras.trainer import _framework_version, evaluate, load_nhwc
-from hvdtrain.report import EpochMetrics, run_header, setup_logging, write_elastic_report
+from hvdtrain.keras.trainer import TrainLoss, _framework_version, evaluate, load_nhwc
+from hvdtrain.report import (EpochMetrics, elastic_divergence, run_header, setup_logging,
+                             stop_elastic, write_elastic_report)
 
 log = logging.getLogger("hvdtrain")
 hvd = _backend.hvd
@@ -142,11 +150,18 @@ def fit_elastic(cfg: TrainConfig) -> dict:
 
     ``metrics.json`` gains per epoch ``samples`` (training samples committed in that epoch, over
     all workers: the split's size, plus at most ``size - 1`` padding samples per reset) and
-    ``sizes`` (the world sizes the epoch ran at).
+    ``sizes`` (the world sizes the epoch ran at); its epoch loss and accuracy leave out the
+    batches whose loss was not finite, and ``skipped_steps`` counts the optimizer steps skipped.
 
     Returns:
         The run report, on every rank.
+
+    Raises:
+        runtime.NonFiniteLossError: a non-finite loss with ``cfg.on_nonfinite == "stop"`` (every
+            rank, ``reported`` True: rank 0 printed it and recorded ``nonfinite_stop``).
+        guard.DivergenceError: the run diverged (every rank, ``reported`` True; ``diverged``).
     """
+    cfg = dataclasses.replace(cfg, warmup_epochs=0.0)  # recorded as run: no warmup
     info = adapter.init(cfg.seed)
     setup_logging(info.rank)
     split, x_train, x_test = load_nhwc(cfg)
@@ -155,10 +170,10 @@ def fit_elastic(cfg: TrainConfig) -> dict:
     optimizer = keras.optimizers.SGD(learning_rate=cfg.lr, momentum=cfg.momentum)
     # No broadcast here: KerasState.sync broadcasts on every rank at the start and each reset.
     model, optimizer = adapter._distribute(model, optimizer, 1, cfg.lr_scaling, "none", "average",
-                                           0, 1.0, None, broadcast=False)
+                                           0, 1.0, cfg.on_nonfinite, broadcast=False)
+    nonfinite_guard = optimizer.hvdtrain_nonfinite
     lr_schedule = schedule_of(optimizer)
-    model.compile(optimizer=optimizer,
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    model.compile(optimizer=optimizer, loss=TrainLoss(optimizer, 1, info.rank, cfg.fault()),
                   metrics=["accuracy"], jit_compile=False)
     out = Path(cfg.output_dir)
 
@@ -168,8 +183,11 @@ def fit_elastic(cfg: TrainConfig) -> dict:
     def current_lr() -> float:
         return lr_schedule.lr_at(int(ops.convert_to_numpy(optimizer.iterations)))
 
-    state = KerasState(model, optimizer, epoch=0, batch=0, done=0, samples=0,
-                       loss_sum=0.0, correct=0.0, sizes=[], history=[])
+    # seen: samples whose loss was finite (the epoch's loss and accuracy are over these);
+    # skipped, epoch_skipped: optimizer steps skipped for non-finite gradients (run, epoch).
+    state = KerasState(model, optimizer, epoch=0, batch=0, done=0, samples=0, seen=0,
+                       loss_sum=0.0, correct=0.0, skipped=0, epoch_skipped=0, sizes=[],
+                       history=[])
 
     def on_reset() -> None:
         set_lr()
@@ -184,7 +202,36 @@ def fit_elastic(cfg: TrainConfig) -> dict:
     header["elastic"] = True
 
     def write_report() -> dict:
+        header["skipped_steps"] = state.skipped
         return write_elastic_report(out, header, state.history, hvd.size(), hvd.rank() == 0)
+
+    def stop(key: str, message: str, history: list[dict]) -> None:
+        header["skipped_steps"] = state.skipped
+        stop_elastic(out, header, history, hvd.size(), hvd.rank() == 0, key, message,
+                     hold=lambda: _backend.broadcast_object(None, root_rank=0,
+                                                            name=f"hvdtrain.{key}"))
+
+    guard_skips = [0]  # the guard's count when last read (it is not rolled back by a reset)
+
+    def check_nonfinite() -> None:
+        """After each step: the guard skipped it on every rank alike when the all-reduced
+        gradients were not finite."""
+        skips = int(ops.convert_to_numpy(nonfinite_guard.skipped))
+        if skips == guard_skips[0]:
+            return
+        guard_skips[0] = skips
+        bad = [r for r, v in enumerate(ops.convert_to_numpy(nonfinite_guard.bad_ranks))
+               if v > 0.5]
+        message = runtime.nonfinite_message(
+            bad, int(ops.convert_to_numpy(nonfinite_guard.bad_step)), state.epoch + 1)
+        if cfg.on_nonfinite == "stop":
+            error = runtime.nonfinite_stop(message)
+            stop("nonfinite_stop", str(error), state.history)
+            error.reported = True
+            raise error
+        log.warning("%s: step skipped on all ranks", message)
+        state.skipped += 1
+        state.epoch_skipped += 1
 
     @hvd.elastic.run
     @_collective_failures
@@ -200,10 +247,14 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                 idx = mine[first:first + cfg.batch_size]
                 loss, accuracy = model.train_on_batch(x_train[idx], split.y_train[idx])
                 loss, accuracy = float(loss), float(accuracy)
+                check_nonfinite()
+                finite = math.isfinite(loss)
                 totals = adapter.allreduce_sums(
-                    {"n": len(idx), "loss": loss * len(idx), "correct": accuracy * len(idx)},
-                    name="hvdtrain.elastic")
+                    {"n": len(idx), "seen": len(idx) if finite else 0,
+                     "loss": loss * len(idx) if finite else 0.0,
+                     "correct": accuracy * len(idx) if finite else 0.0}, name="hvdtrain.elastic")
                 state.samples += int(totals["n"])
+                state.seen += int(totals["seen"])
                 state.done = min(state.done + int(totals["n"]), len(x_train))
                 state.loss_sum += totals["loss"]
                 state.correct += totals["correct"]
@@ -212,12 +263,17 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                     state.commit()
             test_loss, test_acc = evaluate(model, x_test, split.y_test, hvd.rank(), hvd.size())
             seconds = time.perf_counter() - start
-            metrics = EpochMetrics(state.epoch + 1, state.loss_sum / state.samples,
-                                   state.correct / state.samples, test_loss, test_acc,
-                                   current_lr(), state.batch, seconds,
+            seen = max(state.seen, 1)
+            metrics = EpochMetrics(state.epoch + 1, state.loss_sum / seen, state.correct / seen,
+                                   test_loss, test_acc, current_lr(),
+                                   state.batch - state.epoch_skipped, seconds,
                                    state.samples / seconds)
-            state.history = state.history + [{**vars(metrics), "samples": state.samples,
-                                              "sizes": list(state.sizes)}]
+            entry = {**vars(metrics), "samples": state.samples, "sizes": list(state.sizes)}
+            why = elastic_divergence(state.history, metrics, cfg, split.num_classes)
+            if why:  # before the epoch's checkpoint: the last good one stays
+                stop("diverged", why, state.history + [entry])
+                raise guard.DivergenceError(why, reported=True)
+            state.history = state.history + [entry]
             if hvd.rank() == 0:
                 log.info("epoch %d: %d samples at sizes %s | test acc %.4f", state.epoch + 1,
                          state.samples, state.sizes, test_acc)
@@ -229,7 +285,8 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                                  "metrics": state.history})
                 write_report()
             state.epoch += 1
-            state.batch, state.done, state.samples = 0, 0, 0
+            state.batch, state.done, state.samples, state.seen = 0, 0, 0, 0
+            state.epoch_skipped = 0
             state.loss_sum, state.correct = 0.0, 0.0
             state.sizes = []
             state.commit()

@@ -14,9 +14,15 @@ worker fails, every survivor rolls back to the last commit (model, optimizer, sa
 counters) and carries on; the sampler gives the not-yet-processed samples of the epoch to the new
 set of workers, so committed work is neither repeated nor lost. The learning rate is rescaled for
 the new world size at every reset (``schedule.scale_factor``).
+
+A step whose all-reduced gradients are not finite is skipped on every worker, or stops the run
+(``--on-nonfinite``), and the divergence check runs at each epoch's end, as in
+:func:`hvdtrain.torch.trainer.fit`; either stop is recorded in ``metrics.json`` and ends the job
+(every worker exits 1, so Horovod Elastic does not reset).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -27,12 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from hvdtrain import data, runtime, schedule
+from hvdtrain import data, guard, runtime, schedule
 from hvdtrain.config import TrainConfig
-from hvdtrain.report import EpochMetrics, run_header, setup_logging, write_elastic_report
+from hvdtrain.report import (EpochMetrics, elastic_divergence, run_header, setup_logging,
+                             stop_elastic, write_elastic_report)
 from hvdtrain.torch import adapter, checkpoint
 from hvdtrain.torch.models import build_model
-from hvdtrain.torch.trainer import evaluate
+from hvdtrain.torch.trainer import _all_finite, evaluate
 
 log = logging.getLogger("hvdtrain")
 
@@ -43,11 +50,18 @@ def fit_elastic(cfg: TrainConfig) -> dict:
 
     ``metrics.json`` gains per epoch ``samples`` (training samples committed in that epoch, over
     all workers: the split's size, plus at most ``size - 1`` padding samples per reset) and
-    ``sizes`` (the world sizes the epoch ran at).
+    ``sizes`` (the world sizes the epoch ran at); its epoch loss and accuracy leave out the
+    batches whose loss was not finite, and ``skipped_steps`` counts the optimizer steps skipped.
 
     Returns:
         The run report, on every rank.
+
+    Raises:
+        runtime.NonFiniteLossError: a non-finite loss with ``cfg.on_nonfinite == "stop"`` (every
+            rank, ``reported`` True: rank 0 printed it and recorded ``nonfinite_stop``).
+        guard.DivergenceError: the run diverged (every rank, ``reported`` True; ``diverged``).
     """
+    cfg = dataclasses.replace(cfg, warmup_epochs=0.0)  # recorded as run: no warmup
     hvd.init()
     seed = runtime.rank_seed(cfg.seed, hvd.rank())
     torch.manual_seed(seed)
@@ -72,9 +86,14 @@ def fit_elastic(cfg: TrainConfig) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr
 
+    # step: optimizer steps over the run (--fault-nan-at counts these); seen: samples whose
+    # loss was finite (the epoch's loss and accuracy are over these); skipped,
+    # epoch_skipped: optimizer steps skipped (in the run, in the epoch).
     state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0,
-                                   batch=0, samples=0, loss_sum=0.0, correct=0, sizes=[],
-                                   history=[])
+                                   batch=0, step=0, samples=0, seen=0, loss_sum=0.0, correct=0,
+                                   skipped=0, epoch_skipped=0, sizes=[], history=[])
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    fault = cfg.fault()
 
     def on_reset() -> None:
         set_lr()
@@ -89,7 +108,26 @@ def fit_elastic(cfg: TrainConfig) -> dict:
     header["elastic"] = True
 
     def write_report() -> dict:
+        header["skipped_steps"] = state.skipped
         return write_elastic_report(out, header, state.history, hvd.size(), hvd.rank() == 0)
+
+    def stop(key: str, message: str, history: list[dict]) -> None:
+        header["skipped_steps"] = state.skipped
+        stop_elastic(out, header, history, hvd.size(), hvd.rank() == 0, key, message,
+                     hold=lambda: hvd.broadcast_object(None, root_rank=0, name=f"hvdtrain.{key}"))
+
+    def nonfinite(loss_finite: bool) -> None:
+        """After a step whose all-reduced gradients were not finite (every rank alike)."""
+        bad_ranks = adapter.ranks_where(not loss_finite, name="hvdtrain.nonfinite")
+        message = runtime.nonfinite_message(bad_ranks, state.step, state.epoch + 1)
+        if cfg.on_nonfinite == "stop":
+            error = runtime.nonfinite_stop(message)
+            stop("nonfinite_stop", str(error), state.history)
+            error.reported = True
+            raise error
+        log.warning("%s: step skipped on all ranks", message)
+        state.skipped += 1
+        state.epoch_skipped += 1
 
     @hvd.elastic.run
     def train(state) -> None:
@@ -102,27 +140,44 @@ def fit_elastic(cfg: TrainConfig) -> dict:
             for x, y in loader:
                 logits = model(x)
                 loss = F.cross_entropy(logits, y)
+                if fault == (hvd.rank(), state.step):
+                    loss = loss * float("nan")
                 optimizer.zero_grad()
                 loss.backward()
-                optimizer.step()
+                optimizer.synchronize()  # the averaged gradients: the same on every rank
+                finite = bool(torch.isfinite(loss))
+                if _all_finite(p.grad for p in params):
+                    with optimizer.skip_synchronize():
+                        optimizer.step()
+                else:
+                    nonfinite(finite)
                 totals = adapter.allreduce_sums(
-                    {"n": len(x), "loss": loss.item() * len(x),
-                     "correct": (logits.argmax(1) == y).sum().item()}, name="hvdtrain.elastic")
+                    {"n": len(x), "seen": len(x) if finite else 0,
+                     "loss": loss.item() * len(x) if finite else 0.0,
+                     "correct": (logits.argmax(1) == y).sum().item() if finite else 0},
+                    name="hvdtrain.elastic")
                 state.samples += int(totals["n"])
+                state.seen += int(totals["seen"])
                 state.loss_sum += totals["loss"]
                 state.correct += int(totals["correct"])
                 state.batch += 1
+                state.step += 1
                 sampler.record_batch(state.batch, cfg.batch_size)
                 if state.batch % cfg.commit_every == 0:
                     state.commit()
             test_loss, test_acc = evaluate(model, x_test, y_test, hvd.rank(), hvd.size())
             seconds = time.perf_counter() - start
-            metrics = EpochMetrics(state.epoch + 1, state.loss_sum / state.samples,
-                                   state.correct / state.samples, test_loss, test_acc,
-                                   optimizer.param_groups[0]["lr"], state.batch, seconds,
+            seen = max(state.seen, 1)
+            metrics = EpochMetrics(state.epoch + 1, state.loss_sum / seen, state.correct / seen,
+                                   test_loss, test_acc, optimizer.param_groups[0]["lr"],
+                                   state.batch - state.epoch_skipped, seconds,
                                    state.samples / seconds)
-            state.history = state.history + [{**vars(metrics), "samples": state.samples,
-                                              "sizes": list(state.sizes)}]
+            entry = {**vars(metrics), "samples": state.samples, "sizes": list(state.sizes)}
+            why = elastic_divergence(state.history, metrics, cfg, split.num_classes)
+            if why:  # before the epoch's checkpoint: the last good one stays
+                stop("diverged", why, state.history + [entry])
+                raise guard.DivergenceError(why, reported=True)
+            state.history = state.history + [entry]
             if hvd.rank() == 0:
                 log.info("epoch %d: %d samples at sizes %s | test acc %.4f", state.epoch + 1,
                          state.samples, state.sizes, test_acc)
@@ -133,7 +188,8 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                     "rng": checkpoint.rng_state(), "metrics": state.history})
                 write_report()
             state.epoch += 1
-            state.batch, state.samples, state.loss_sum, state.correct = 0, 0, 0.0, 0
+            state.batch, state.samples, state.seen, state.epoch_skipped = 0, 0, 0, 0
+            state.loss_sum, state.correct = 0.0, 0
             state.sizes = []
             sampler.set_epoch(state.epoch)
             state.commit()

@@ -1,5 +1,6 @@
 """Horovod Elastic under real failures, for both trainers: three workers on three test hosts, one is
-killed, training goes on with two; a host added through the discovery script joins."""
+killed, training goes on with two; a host added through the discovery script joins. And the
+non-finite check and the divergence check of elastic runs (two workers on this host)."""
 import json
 import os
 import signal
@@ -8,7 +9,7 @@ import time
 
 import pytest
 
-from jobs import BIN, job_env
+from jobs import BIN, job_env, run
 from testhosts import SshTestHosts
 
 
@@ -81,3 +82,64 @@ def test_elastic_survives_a_lost_worker_and_takes_a_new_one(tmp_path, framework)
         for e in epochs:
             assert train_samples <= e["samples"] <= train_samples + 16 * 3, e
         assert epochs[-1]["test_accuracy"] >= 0.95, epochs[-1]
+
+
+def elastic_local(tmp_path, framework, *train_args):
+    """``hvdtrain launch --elastic`` with two workers on this host (a discovery script that
+    reports ``localhost:2``); returns the finished process."""
+    discover = tmp_path / "discover.sh"
+    discover.write_text("#!/bin/sh\necho localhost:2\n")
+    discover.chmod(0o755)
+    return run([str(BIN / "hvdtrain"), "launch", "--elastic", "--min-np", "2", "--max-np", "2",
+                "-np", "2", "--host-discovery-script", str(discover), "--network-interfaces", "lo",
+                "--", "hvdtrain", "train", "--elastic", "--framework", framework, "--dataset",
+                "digits", "--no-progress", "--output-dir", str(tmp_path / "run"), *train_args],
+               timeout=300, check=False)
+
+
+def checkpoint_epoch(out, framework):
+    """The epoch recorded in the run's newest checkpoint, read back from the file."""
+    if framework == "torch":
+        import torch
+        return torch.load(out / "checkpoint.pt", weights_only=False)["epoch"]
+    import numpy as np
+    with np.load(out / "checkpoint.npz", allow_pickle=False) as archive:
+        return json.loads(str(archive["record"]))["epoch"]
+
+
+@pytest.mark.parametrize("framework", ["torch", "keras"])
+def test_elastic_skips_a_nonfinite_step_and_stops_when_the_run_diverges(tmp_path, framework):
+    # Rank 1's loss is NaN in optimizer step 5: that step is skipped on both workers. lr 10
+    # (x2 workers) then drives the training accuracy to chance: the check stops the run after
+    # epoch 2, before its checkpoint.
+    proc = elastic_local(tmp_path, framework, "--epochs", "3", "--lr", "10", "--fault-nan-at",
+                         "1:5")
+    out = tmp_path / "run"
+    assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["skipped_steps"] == 1 and m["nonfinite_stop"] is None
+    assert m["warmup_epochs"] == 0.0  # elastic runs have no warmup, and say so
+    epochs = m["epochs"]
+    assert [e["epoch"] for e in epochs] == [1, 2]
+    # 1,438 samples / (2 workers x 16) -> 45 steps per epoch, one skipped in epoch 1; the
+    # epoch's loss leaves out the NaN batch.
+    assert [e["optimizer_steps"] for e in epochs] == [44, 45]
+    assert all(e["samples"] == 1438 for e in epochs), epochs
+    assert all(e["train_loss"] == e["train_loss"] for e in epochs), epochs  # not NaN
+    assert m["diverged"].startswith("training diverged in epoch 2: "), m["diverged"]
+    assert "--no-divergence-check" in m["diverged"] and "warmup" not in m["diverged"]
+    assert checkpoint_epoch(out, framework) == 1  # the last good epoch's checkpoint stays
+
+
+@pytest.mark.parametrize("framework", ["torch", "keras"])
+def test_elastic_on_nonfinite_stop_records_the_step_and_ends_the_job(tmp_path, framework):
+    proc = elastic_local(tmp_path, framework, "--epochs", "2", "--fault-nan-at", "0:3",
+                         "--on-nonfinite", "stop")
+    out = tmp_path / "run"
+    # Every worker exits 1, so Horovod Elastic ends the job instead of resetting it.
+    assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["nonfinite_stop"].startswith(
+        "non-finite loss on rank(s) [0] at optimizer step 3 (epoch 1)"), m["nonfinite_stop"]
+    assert m["epochs"] == [] and m["diverged"] is None and m["skipped_steps"] == 0
+    assert not (out / "checkpoint.pt").exists() and not (out / "checkpoint.npz").exists()

@@ -75,3 +75,11 @@ def test_a_sqrt_run_is_not_told_to_use_sqrt():
     history = epochs((0.9, 0.70), (2.31, 0.1135))
     assert "--lr-scaling sqrt" not in guard.divergence(history, 1, 10, lr_scaling="sqrt")
     assert "--lr-scaling sqrt" in guard.divergence(history, 1, 10, lr_scaling="linear")
+
+
+def test_a_run_without_warmup_is_not_told_about_warmup():
+    history = epochs((1.0, 0.5), (2.0, 0.5))
+    elastic = guard.divergence(history, 0, 10, warmup=False)
+    assert elastic.startswith("training diverged in epoch 2: training loss 2.0000")
+    assert "warmup" not in elastic
+    assert "longer --warmup-epochs" in guard.divergence(history, 0, 10)
