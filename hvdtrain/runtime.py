@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -90,21 +91,37 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def thread_budget(local_size: int, cores: int | None = None) -> int:
+def thread_budget(local_size: int, cores: int | None = None,
+                  env: Mapping[str, str] | None = None) -> int:
     """Intra-op threads each rank should use so that the ranks on one host do not fight over cores.
+
+    ``OMP_NUM_THREADS``, when set to a whole number >= 1, wins: it is how users of MPI and
+    Horovod set a rank's threads (``mpirun -x OMP_NUM_THREADS``; PyTorch and TensorFlow read it
+    too), e.g. where a host's cores are shared with other jobs or hosts are containers on one
+    machine, which ``local_size`` cannot see.
 
     Args:
         local_size: ranks on this host (``hvd.local_size()``), >= 1.
         cores: cores on the host; defaults to :func:`available_cores`.
+        env: the environment; defaults to ``os.environ``.
 
     Returns:
-        ``max(1, cores // local_size)``.
+        ``OMP_NUM_THREADS`` when set, else ``max(1, cores // local_size)``.
 
     Raises:
-        ValueError: ``local_size`` < 1.
+        ValueError: ``local_size`` < 1, or ``OMP_NUM_THREADS`` set but not a whole number >= 1
+            (the message names the value).
     """
     if local_size < 1:
         raise ValueError(f"local_size must be >= 1, got {local_size}")
+    # OpenMP allows a list for nested levels ("4,2"): the first is the rank's own.
+    requested = (os.environ if env is None else env).get("OMP_NUM_THREADS", "").split(",")[0]
+    requested = requested.strip()
+    if requested:
+        if not requested.isdigit() or int(requested) < 1:
+            raise ValueError(f"OMP_NUM_THREADS must be a whole number >= 1 (threads per rank); "
+                             f"got {requested!r}: unset it or set e.g. OMP_NUM_THREADS=1")
+        return int(requested)
     cores = available_cores() if cores is None else cores
     return max(1, cores // local_size)
 

@@ -46,7 +46,8 @@ def init(seed: int = 42, threads: int | None = None, device: str = "auto") -> ru
 
     Args:
         seed: base seed.
-        threads: intra-op CPU threads for this rank (default: its share of the cores).
+        threads: intra-op CPU threads for this rank (default: ``OMP_NUM_THREADS`` when set,
+            else its share of the cores; :func:`hvdtrain.runtime.thread_budget`).
         device: ``"auto"``, ``"cpu"`` or ``"cuda"`` (:func:`hvdtrain.runtime.choose_device`).
 
     Returns:

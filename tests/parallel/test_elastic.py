@@ -10,7 +10,7 @@ import time
 import pytest
 
 from jobs import BIN, job_env, run
-from testhosts import SshTestHosts
+from testhosts import SHARED_CORES_ENV, SshTestHosts
 
 
 def epochs_done(out):
@@ -52,8 +52,9 @@ def test_elastic_survives_a_lost_worker_and_takes_a_new_one(tmp_path, framework)
                 "--network-interfaces", "lo", "--", "hvdtrain", "train", "--elastic",
                 "--framework", framework, "--epochs", "12", "--dataset", "digits", "--commit-every", "5",
                 "--output-dir", str(out), "--no-progress"]
-        proc = subprocess.Popen(argv, env=job_env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        proc = subprocess.Popen(argv, env={**job_env(), **SHARED_CORES_ENV},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
         try:
             deadline = time.monotonic() + 300
             while not epochs_done(out) and time.monotonic() < deadline:

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from jobs import BIN, Console, horovodrun, job_env, run, script
-from testhosts import SshTestHosts
+from testhosts import SHARED_CORES_ENV, SshTestHosts
 
 EPOCHS = "3"
 
@@ -78,8 +78,11 @@ def single_host(tmp_path_factory):
 def test_training_across_hosts_matches_single_host(hosts, single_host, framework, launcher,
                                                    tmp_path):
     run(launch(hosts, launcher, "hvdtrain", "train", "--framework", framework, "--epochs",
-               EPOCHS, "--output-dir", str(tmp_path), "--no-progress"))
+               EPOCHS, "--output-dir", str(tmp_path), "--no-progress"), env=SHARED_CORES_ENV)
     multi = json.loads((tmp_path / "metrics.json").read_text())
+    # OMP_NUM_THREADS reached the ranks over ssh (horovodrun passes the environment on, hvdtrain
+    # launch adds -x OMP_NUM_THREADS for mpirun); rank 0 records its threads.
+    assert multi["threads_per_rank"] == 1
     single = single_host[framework]
     assert multi["size"] == 2 and multi["hosts"] == 2 and single["hosts"] == 1
     for a, b in zip(multi["epochs"], single["epochs"]):

@@ -25,6 +25,13 @@ SSHD = "/usr/sbin/sshd"
 KEY_DIR = Path(os.environ.get("HVDTRAIN_CACHE", Path.home() / ".cache" / "hvdtrain")) / "testhosts"
 
 
+# The test hosts share this machine's cores, which a rank cannot see (each host reports
+# local_size 1, so each rank would take every core): jobs across them set one thread per rank,
+# as a user sets OMP_NUM_THREADS for hosts that share cores (hvdtrain.runtime.thread_budget).
+# Three ranks with two threads each on two cores made the elastic test four times slower.
+SHARED_CORES_ENV = {"OMP_NUM_THREADS": "1"}
+
+
 class HostsError(RuntimeError):
     """The machine cannot provide test hosts; the message says why and what to install."""
 

@@ -49,7 +49,19 @@ def test_synthetic_and_unknown_dataset():
 
 @pytest.mark.parametrize("local_size,cores,expected", [(1, 2, 2), (2, 2, 1), (4, 2, 1), (2, 8, 4)])
 def test_thread_budget(local_size, cores, expected):
-    assert runtime.thread_budget(local_size, cores) == expected
+    assert runtime.thread_budget(local_size, cores, env={}) == expected
+
+
+@pytest.mark.parametrize("value,expected", [("1", 1), ("3", 3), (" 4,2", 4), ("", 4)])
+def test_omp_num_threads_sets_the_threads_per_rank(value, expected):
+    assert runtime.thread_budget(2, 8, env={"OMP_NUM_THREADS": value}) == expected
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1"])
+def test_a_bad_omp_num_threads_is_named(value):
+    with pytest.raises(ValueError, match=f"OMP_NUM_THREADS must be a whole number >= 1 .*got "
+                                         f"'{value}'"):
+        runtime.thread_budget(2, 8, env={"OMP_NUM_THREADS": value})
 
 
 def test_rank_seed_and_launcher_env(monkeypatch):
