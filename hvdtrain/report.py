@@ -223,16 +223,16 @@ def stop_elastic(output_dir: str | os.PathLike, header: dict, history: list[dict
                  is_root: bool, key: str, message: str, hold: Callable[[], None]) -> None:
     """An elastic run stops with an error, on every rank at the same point (a non-finite loss
     with ``--on-nonfinite stop``: ``key`` ``"nonfinite_stop"``; the divergence check:
-    ``"diverged"``): ``header[key]`` becomes ``message``, rank 0 rewrites ``metrics.json``
+    ``"diverged"``): with ``key`` set to ``message``, rank 0 rewrites ``metrics.json``
     (:func:`write_elastic_report`, atomically, with the committed epochs in ``history``) and
     prints the error; then every rank calls ``hold`` (a collective from rank 0), so that no rank
     exits before rank 0 is done. The caller raises next; every worker then exits 1 and Horovod
     Elastic's driver, seeing all of them fail, ends the job instead of resetting it."""
-    header[key] = message
-    write_elastic_report(output_dir, header, history, size, is_root)
+    write_elastic_report(output_dir, {**header, key: message}, history, size, is_root)
     if is_root:
         print(f"hvdtrain: error: {message}", file=sys.stderr, flush=True)
     hold()
+    header[key] = message  # only now: a worker lost in the hold resets and trains on
 
 
 def elastic_divergence(history: list[dict], metrics: EpochMetrics, cfg,

@@ -96,9 +96,9 @@ def thread_budget(local_size: int, cores: int | None = None,
     """Intra-op threads each rank should use so that the ranks on one host do not fight over cores.
 
     ``OMP_NUM_THREADS``, when set to a whole number >= 1, wins: it is how users of MPI and
-    Horovod set a rank's threads (``mpirun -x OMP_NUM_THREADS``; PyTorch and TensorFlow read it
-    too), e.g. where a host's cores are shared with other jobs or hosts are containers on one
-    machine, which ``local_size`` cannot see.
+    Horovod set a rank's threads (``mpirun -x OMP_NUM_THREADS``; PyTorch reads it too), e.g.
+    where a host's cores are shared with other jobs or hosts are containers on one machine, which
+    ``local_size`` cannot see.
 
     Args:
         local_size: ranks on this host (``hvd.local_size()``), >= 1.
@@ -114,14 +114,14 @@ def thread_budget(local_size: int, cores: int | None = None,
     """
     if local_size < 1:
         raise ValueError(f"local_size must be >= 1, got {local_size}")
-    # OpenMP allows a list for nested levels ("4,2"): the first is the rank's own.
-    requested = (os.environ if env is None else env).get("OMP_NUM_THREADS", "").split(",")[0]
-    requested = requested.strip()
-    if requested:
-        if not requested.isdigit() or int(requested) < 1:
+    value = (os.environ if env is None else env).get("OMP_NUM_THREADS", "").strip()
+    if value:
+        # OpenMP allows a list for nested levels ("4,2"): the first is the rank's own.
+        first = value.split(",")[0].strip()
+        if not (first.isascii() and first.isdigit()) or int(first) < 1:
             raise ValueError(f"OMP_NUM_THREADS must be a whole number >= 1 (threads per rank); "
-                             f"got {requested!r}: unset it or set e.g. OMP_NUM_THREADS=1")
-        return int(requested)
+                             f"got {value!r}: unset it or set e.g. OMP_NUM_THREADS=1")
+        return int(first)
     cores = available_cores() if cores is None else cores
     return max(1, cores // local_size)
 

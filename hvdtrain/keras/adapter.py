@@ -285,9 +285,11 @@ def distribute(model: keras.Model, optimizer: keras.optimizers.Optimizer, *,
 
 def _distribute(model, optimizer, backward_passes_per_step, lr_scaling, compression, op,
                 root_rank, gradient_predivide_factor, on_nonfinite, broadcast: bool):
-    """:func:`distribute`; ``broadcast=False`` builds the optimizer without broadcasting (elastic
-    training, where ``KerasState.sync`` broadcasts on every rank at each reset, and a worker that
-    joins later must not start a broadcast of its own)."""
+    """:func:`distribute`; ``broadcast=False`` is for elastic training: the optimizer is built
+    without broadcasting (``KerasState.sync`` broadcasts on every rank at each reset, and a worker
+    that joins later must not start a broadcast of its own), and the non-finite guard sends one
+    flag per rank instead of a vector as long as the size, which changes at a reset
+    (:class:`NonFiniteGuard` with ``size=None``)."""
     check_distribute_args(backward_passes_per_step, compression, op, B.COMPRESSIONS, _OPS)
     if on_nonfinite is not None and on_nonfinite not in NONFINITE_MODES:
         raise ValueError(f"on_nonfinite must be None, 'skip' or 'stop'; got {on_nonfinite!r}")
@@ -325,7 +327,8 @@ def _distribute(model, optimizer, backward_passes_per_step, lr_scaling, compress
     lr_scaling = schedule.resolve_lr_scaling(lr_scaling, op)
     factor = schedule.scale_factor(lr_scaling, B.hvd.size(), k)
     owner.learning_rate = WarmupSchedule(base, factor, k)
-    guard = NonFiniteGuard(on_nonfinite, B.hvd.size()) if on_nonfinite else None
+    guard = (NonFiniteGuard(on_nonfinite, B.hvd.size() if broadcast else None)
+             if on_nonfinite else None)
     # Under a loss-scale optimizer only finite gradients reach the inner optimizer: the global
     # check happens before it (_LossScaleHooks), which also feeds the guard.
     hooks = _Allreduce(owner, compression, float(gradient_predivide_factor),

@@ -173,8 +173,8 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                                            0, 1.0, cfg.on_nonfinite, broadcast=False)
     nonfinite_guard = optimizer.hvdtrain_nonfinite
     lr_schedule = schedule_of(optimizer)
-    model.compile(optimizer=optimizer, loss=TrainLoss(optimizer, 1, info.rank, cfg.fault()),
-                  metrics=["accuracy"], jit_compile=False)
+    train_loss = TrainLoss(optimizer, 1, info.rank, cfg.fault())
+    model.compile(optimizer=optimizer, loss=train_loss, metrics=["accuracy"], jit_compile=False)
     out = Path(cfg.output_dir)
 
     def set_lr() -> None:
@@ -213,15 +213,16 @@ def fit_elastic(cfg: TrainConfig) -> dict:
 
     guard_skips = [0]  # the guard's count when last read (it is not rolled back by a reset)
 
-    def check_nonfinite() -> None:
+    def check_nonfinite(loss_finite: bool) -> None:
         """After each step: the guard skipped it on every rank alike when the all-reduced
         gradients were not finite."""
         skips = int(ops.convert_to_numpy(nonfinite_guard.skipped))
         if skips == guard_skips[0]:
             return
         guard_skips[0] = skips
-        bad = [r for r, v in enumerate(ops.convert_to_numpy(nonfinite_guard.bad_ranks))
-               if v > 0.5]
+        # Every rank saw the same skip (the decision is on the all-reduced gradients): name the
+        # bad ranks now, by their current numbers.
+        bad = adapter.ranks_where(not loss_finite, name="hvdtrain.nonfinite")
         message = runtime.nonfinite_message(
             bad, int(ops.convert_to_numpy(nonfinite_guard.bad_step)), state.epoch + 1)
         if cfg.on_nonfinite == "stop":
@@ -237,6 +238,9 @@ def fit_elastic(cfg: TrainConfig) -> dict:
     @_collective_failures
     def train(state) -> None:
         set_lr()
+        # --fault-nan-at counts optimizer steps over the run, as in the other trainers: the
+        # loss's own counter starts where the (synced or restored) optimizer is.
+        train_loss.calls.assign(int(ops.convert_to_numpy(optimizer.iterations)))
         while state.epoch < cfg.epochs:
             start = time.perf_counter()
             if hvd.size() not in state.sizes:
@@ -247,8 +251,8 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                 idx = mine[first:first + cfg.batch_size]
                 loss, accuracy = model.train_on_batch(x_train[idx], split.y_train[idx])
                 loss, accuracy = float(loss), float(accuracy)
-                check_nonfinite()
                 finite = math.isfinite(loss)
+                check_nonfinite(finite)
                 totals = adapter.allreduce_sums(
                     {"n": len(idx), "seen": len(idx) if finite else 0,
                      "loss": loss * len(idx) if finite else 0.0,
@@ -267,7 +271,7 @@ def fit_elastic(cfg: TrainConfig) -> dict:
             metrics = EpochMetrics(state.epoch + 1, state.loss_sum / seen, state.correct / seen,
                                    test_loss, test_acc, current_lr(),
                                    state.batch - state.epoch_skipped, seconds,
-                                   state.samples / seconds)
+                                   state.seen / seconds)
             entry = {**vars(metrics), "samples": state.samples, "sizes": list(state.sizes)}
             why = elastic_divergence(state.history, metrics, cfg, split.num_classes)
             if why:  # before the epoch's checkpoint: the last good one stays

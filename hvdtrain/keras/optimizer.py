@@ -113,17 +113,25 @@ class NonFiniteGuard:
     the PyTorch trainer) and ``skipped`` grows by one. Ranks never diverge. Under a
     ``LossScaleOptimizer`` (:class:`_LossScaleHooks`) it counts skipped micro-batches instead.
 
+    With ``size=None`` (elastic training, where ranks are renumbered and the size changes at
+    each reset while the traced step stays as it was) each rank sends one number instead, "my
+    gradients were not finite", whose shape does not depend on the size: ``bad_ranks`` then holds
+    only the number of bad ranks as the step was traced, and the caller names the ranks eagerly
+    after a skipped step (:func:`hvdtrain.keras.adapter.ranks_where`).
+
     Attributes:
         mode: ``"skip"`` or ``"stop"`` (stop is carried out by the callback of :func:`callbacks`).
+        size: ranks the flag vector has (None: one flag, see above).
         skipped: variable (int64), steps skipped so far.
-        bad_ranks: variable ``(size,)`` float32, 1 for the ranks of the last skipped step.
+        bad_ranks: variable ``(size,)`` float32, 1 for the ranks of the last skipped step
+            (``(1,)`` with ``size=None``).
         bad_step: variable (int64), the optimizer step last skipped (-1: none).
     """
 
-    def __init__(self, mode: str, size: int):
+    def __init__(self, mode: str, size: int | None):
         self.mode, self.size = mode, size
         self.skipped = keras.Variable(0, dtype="int64", trainable=False, name="hvdtrain_skipped")
-        self.bad_ranks = keras.Variable(np.zeros(size, np.float32), trainable=False,
+        self.bad_ranks = keras.Variable(np.zeros(size or 1, np.float32), trainable=False,
                                         name="hvdtrain_bad_ranks")
         self.bad_step = keras.Variable(-1, dtype="int64", trainable=False,
                                        name="hvdtrain_bad_step")
@@ -187,7 +195,9 @@ class _Allreduce:
         if self.guard is not None:
             local_ok = ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in dense]))
             bad = ops.cast(ops.logical_not(local_ok), dense[0].dtype)
-            extra = [B.native(ops.one_hot(self.rank, self.size, dtype=dense[0].dtype) * bad)]
+            flags = (ops.reshape(bad, (1,)) if self.guard.size is None else
+                     ops.one_hot(self.rank, self.size, dtype=dense[0].dtype) * bad)
+            extra = [B.native(flags)]
         if self.preempt is not None:
             extra.append(B.native(ops.cast(self.preempt.requested, dense[0].dtype)))
         reduced = B.grouped_average(dense + extra, self.compression, self.predivide,

@@ -171,7 +171,7 @@ def fit_elastic(cfg: TrainConfig) -> dict:
             metrics = EpochMetrics(state.epoch + 1, state.loss_sum / seen, state.correct / seen,
                                    test_loss, test_acc, optimizer.param_groups[0]["lr"],
                                    state.batch - state.epoch_skipped, seconds,
-                                   state.samples / seconds)
+                                   state.seen / seconds)
             entry = {**vars(metrics), "samples": state.samples, "sizes": list(state.sizes)}
             why = elastic_divergence(state.history, metrics, cfg, split.num_classes)
             if why:  # before the epoch's checkpoint: the last good one stays

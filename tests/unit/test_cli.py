@@ -33,6 +33,14 @@ def test_bad_input_fails_before_any_work(tmp_path, args, message):
     assert f"hvdtrain: error: {message}" in stderr
 
 
+def test_a_bad_omp_num_threads_fails_before_any_work(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "two")
+    result, stderr = train(tmp_path)
+    assert result == {"rc": 2, "loaded": []}
+    assert ("hvdtrain: error: OMP_NUM_THREADS must be a whole number >= 1 (threads per rank); "
+            "got 'two'") in stderr
+
+
 def test_non_integer_option_is_rejected_by_the_parser(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "hvdtrain.cli", "train", "--epochs", "two"],
                           capture_output=True, text=True, timeout=120)
@@ -159,3 +167,10 @@ def test_report_shows_a_run_stopped_before_its_first_epoch(tmp_path):
     stopped, done = json.loads(rows.read_text())
     assert stopped["test_accuracy"] is None and stopped["epochs"] == 0
     assert done["test_accuracy"] == 0.9712
+
+
+def test_launch_refuses_a_bad_omp_num_threads_before_starting(capsys, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "0")
+    rc, argv, err = dry_launch(capsys, "-np", "2")
+    assert rc == 2 and argv == []
+    assert "hvdtrain: error: OMP_NUM_THREADS must be a whole number >= 1" in err

@@ -57,7 +57,7 @@ def test_omp_num_threads_sets_the_threads_per_rank(value, expected):
     assert runtime.thread_budget(2, 8, env={"OMP_NUM_THREADS": value}) == expected
 
 
-@pytest.mark.parametrize("value", ["0", "two", "-1"])
+@pytest.mark.parametrize("value", ["0", "two", "-1", "\u00b2", ",2"])
 def test_a_bad_omp_num_threads_is_named(value):
     with pytest.raises(ValueError, match=f"OMP_NUM_THREADS must be a whole number >= 1 .*got "
                                          f"'{value}'"):
