@@ -219,34 +219,83 @@ def write_elastic_report(output_dir: str | os.PathLike, header: dict, history: l
     return result
 
 
-def stop_elastic(output_dir: str | os.PathLike, header: dict, history: list[dict], size: int,
-                 is_root: bool, key: str, message: str, hold: Callable[[], None]) -> None:
-    """An elastic run stops with an error, on every rank at the same point (a non-finite loss
-    with ``--on-nonfinite stop``: ``key`` ``"nonfinite_stop"``; the divergence check:
-    ``"diverged"``): with ``key`` set to ``message``, rank 0 rewrites ``metrics.json``
-    (:func:`write_elastic_report`, atomically, with the committed epochs in ``history``) and
-    prints the error; then every rank calls ``hold`` (a collective from rank 0), so that no rank
-    exits before rank 0 is done. The caller raises next; every worker then exits 1 and Horovod
-    Elastic's driver, seeing all of them fail, ends the job instead of resetting it."""
-    write_elastic_report(output_dir, {**header, key: message}, history, size, is_root)
-    if is_root:
-        print(f"hvdtrain: error: {message}", file=sys.stderr, flush=True)
-    hold()
-    header[key] = message  # only now: a worker lost in the hold resets and trains on
+class ElasticReport:
+    """What the two elastic trainers (:mod:`hvdtrain.torch.elastic`, :mod:`hvdtrain.keras.elastic`)
+    record and how they stop, in one place.
 
+    ``state`` is the trainer's Horovod Elastic state, with the attributes ``history`` (committed
+    epochs: :class:`EpochMetrics` dicts plus ``samples`` and ``sizes``), ``epoch``, ``skipped``
+    and ``epoch_skipped`` (optimizer steps skipped for non-finite gradients, in the run and in the
+    epoch; rolled back with the rest of the state). ``size``/``is_root`` are read at each call
+    (the world changes at a reset); ``broadcast_object`` is the backend's
+    ``hvd.broadcast_object``, the collective every rank holds in before stopping.
 
-def elastic_divergence(history: list[dict], metrics: EpochMetrics, cfg,
-                       num_classes: int) -> str | None:
-    """The divergence check (:func:`hvdtrain.guard.divergence`) of an elastic run at the end of
-    an epoch, before its checkpoint: ``history`` is the committed epochs (as in
-    :func:`write_elastic_report`), ``metrics`` the epoch just trained (all-reduced, so every rank
-    reaches the same verdict). Elastic runs have no warmup, so every epoch from the second on is
-    checked. None when the run is fine or ``cfg.divergence_check`` is off; else the error
-    message."""
-    if not cfg.divergence_check:
-        return None
-    epochs = [EpochMetrics(**{k: v for k, v in e.items() if k not in ELASTIC_EXTRA})
-              for e in history]
-    why = guard.divergence(epochs + [metrics], 0, num_classes, cfg.lr_scaling, warmup=False)
-    return why and (f"{why}; epoch {metrics.epoch} was not checkpointed: the checkpoint in "
-                    f"{cfg.output_dir} is the epoch before it")
+    Stopping (a non-finite loss with ``--on-nonfinite stop``: ``nonfinite_stop``; the divergence
+    check: ``diverged``) happens on every rank at the same point: rank 0 rewrites
+    ``metrics.json`` with the reason and prints the error, every rank holds in one broadcast so
+    that none exits first, then every rank raises. Every worker exits 1, and Horovod Elastic's
+    driver, seeing all of them fail, ends the job instead of resetting it.
+    """
+
+    def __init__(self, output_dir: str | os.PathLike, header: dict, state, cfg,
+                 size: Callable[[], int], is_root: Callable[[], bool],
+                 broadcast_object: Callable[..., object]):
+        self.out, self.header, self.state, self.cfg = Path(output_dir), header, state, cfg
+        self.size, self.is_root, self.broadcast_object = size, is_root, broadcast_object
+
+    def write(self) -> dict:
+        """Rewrite ``metrics.json`` from the committed history (rank 0); the report, every rank."""
+        self.header["skipped_steps"] = self.state.skipped
+        return write_elastic_report(self.out, self.header, self.state.history, self.size(),
+                                    self.is_root())
+
+    def stop(self, key: str, message: str, history: list[dict]) -> None:
+        """Record ``key`` = ``message`` with ``history`` (rank 0), print it, hold (every rank).
+        The header changes only after the hold: a worker lost in it resets and trains on."""
+        self.header["skipped_steps"] = self.state.skipped
+        write_elastic_report(self.out, {**self.header, key: message}, history, self.size(),
+                             self.is_root())
+        if self.is_root():
+            print(f"hvdtrain: error: {message}", file=sys.stderr, flush=True)
+        self.broadcast_object(None, root_rank=0, name=f"hvdtrain.{key}")
+        self.header[key] = message
+
+    def skipped_step(self, bad_ranks: list[int], step: int) -> None:
+        """After an optimizer step skipped on every rank (its all-reduced gradients were not
+        finite; ``bad_ranks``: the ranks whose loss was not finite, :func:`ranks_where`).
+
+        Raises:
+            runtime.NonFiniteLossError: with ``--on-nonfinite stop``, on every rank, after
+                :meth:`stop` (``reported`` True).
+        """
+        message = runtime.nonfinite_message(bad_ranks, step, self.state.epoch + 1)
+        if self.cfg.on_nonfinite == "stop":
+            error = runtime.nonfinite_stop(message)
+            self.stop("nonfinite_stop", str(error), self.state.history)
+            error.reported = True
+            raise error
+        log.warning("%s: step skipped on all ranks", message)
+        self.state.skipped += 1
+        self.state.epoch_skipped += 1
+
+    def check_divergence(self, metrics: EpochMetrics, entry: dict, num_classes: int) -> None:
+        """The divergence check (:func:`hvdtrain.guard.divergence`) at an epoch's end, before its
+        checkpoint: ``metrics`` the epoch just trained (all-reduced, so every rank reaches the
+        same verdict), ``entry`` its history entry. Elastic runs have no warmup: every epoch from
+        the second on is checked. Off with ``--no-divergence-check``.
+
+        Raises:
+            guard.DivergenceError: on every rank, after :meth:`stop` recorded the epoch and
+                ``diverged`` (``reported`` True); the epoch is not checkpointed.
+        """
+        if not self.cfg.divergence_check:
+            return
+        epochs = [EpochMetrics(**{k: v for k, v in e.items() if k not in ELASTIC_EXTRA})
+                  for e in self.state.history]
+        why = guard.divergence(epochs + [metrics], 0, num_classes, self.cfg.lr_scaling,
+                               warmup=False)
+        if why:
+            message = (f"{why}; epoch {metrics.epoch} was not checkpointed: the checkpoint in "
+                       f"{self.out} is the epoch before it")
+            self.stop("diverged", message, self.state.history + [entry])
+            raise guard.DivergenceError(message, reported=True)

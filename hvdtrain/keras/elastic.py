@@ -37,14 +37,13 @@ from horovod.common.elastic import ObjectState
 from horovod.common.exceptions import HorovodInternalError
 from keras import ops
 
-from hvdtrain import guard, runtime, schedule
+from hvdtrain import runtime, schedule
 from hvdtrain.config import TrainConfig
 from hvdtrain.keras import _backend, adapter, checkpoint
 from hvdtrain.keras.optimizer import schedule_of
 from hvdtrain.keras.models import build_model
 from hvdtrain.keras.trainer import TrainLoss, _framework_version, evaluate, load_nhwc
-from hvdtrain.report import (EpochMetrics, elastic_divergence, run_header, setup_logging,
-                             stop_elastic, write_elastic_report)
+from hvdtrain.report import ElasticReport, EpochMetrics, run_header, setup_logging
 
 log = logging.getLogger("hvdtrain")
 hvd = _backend.hvd
@@ -201,15 +200,8 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                          "horovod": horovod.__version__})
     header["elastic"] = True
 
-    def write_report() -> dict:
-        header["skipped_steps"] = state.skipped
-        return write_elastic_report(out, header, state.history, hvd.size(), hvd.rank() == 0)
-
-    def stop(key: str, message: str, history: list[dict]) -> None:
-        header["skipped_steps"] = state.skipped
-        stop_elastic(out, header, history, hvd.size(), hvd.rank() == 0, key, message,
-                     hold=lambda: _backend.broadcast_object(None, root_rank=0,
-                                                            name=f"hvdtrain.{key}"))
+    report = ElasticReport(out, header, state, cfg, hvd.size, lambda: hvd.rank() == 0,
+                           _backend.broadcast_object)
 
     guard_skips = [0]  # the guard's count when last read (it is not rolled back by a reset)
 
@@ -222,17 +214,8 @@ def fit_elastic(cfg: TrainConfig) -> dict:
         guard_skips[0] = skips
         # Every rank saw the same skip (the decision is on the all-reduced gradients): name the
         # bad ranks now, by their current numbers.
-        bad = adapter.ranks_where(not loss_finite, name="hvdtrain.nonfinite")
-        message = runtime.nonfinite_message(
-            bad, int(ops.convert_to_numpy(nonfinite_guard.bad_step)), state.epoch + 1)
-        if cfg.on_nonfinite == "stop":
-            error = runtime.nonfinite_stop(message)
-            stop("nonfinite_stop", str(error), state.history)
-            error.reported = True
-            raise error
-        log.warning("%s: step skipped on all ranks", message)
-        state.skipped += 1
-        state.epoch_skipped += 1
+        report.skipped_step(adapter.ranks_where(not loss_finite, name="hvdtrain.nonfinite"),
+                            int(ops.convert_to_numpy(nonfinite_guard.bad_step)))
 
     @hvd.elastic.run
     @_collective_failures
@@ -273,10 +256,7 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                                    state.batch - state.epoch_skipped, seconds,
                                    state.seen / seconds)
             entry = {**vars(metrics), "samples": state.samples, "sizes": list(state.sizes)}
-            why = elastic_divergence(state.history, metrics, cfg, split.num_classes)
-            if why:  # before the epoch's checkpoint: the last good one stays
-                stop("diverged", why, state.history + [entry])
-                raise guard.DivergenceError(why, reported=True)
+            report.check_divergence(metrics, entry, split.num_classes)  # before its checkpoint
             state.history = state.history + [entry]
             if hvd.rank() == 0:
                 log.info("epoch %d: %d samples at sizes %s | test acc %.4f", state.epoch + 1,
@@ -287,7 +267,7 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                                  "global_batch": cfg.global_batch(hvd.size()),
                                  "config": cfg.to_dict(), "rng": runtime.python_numpy_rng_state(),
                                  "metrics": state.history})
-                write_report()
+                report.write()
             state.epoch += 1
             state.batch, state.done, state.samples, state.seen = 0, 0, 0, 0
             state.epoch_skipped = 0
@@ -296,4 +276,4 @@ def fit_elastic(cfg: TrainConfig) -> dict:
             state.commit()
 
     train(state)
-    return write_report()
+    return report.write()

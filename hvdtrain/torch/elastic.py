@@ -33,10 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from hvdtrain import data, guard, runtime, schedule
+from hvdtrain import data, runtime, schedule
 from hvdtrain.config import TrainConfig
-from hvdtrain.report import (EpochMetrics, elastic_divergence, run_header, setup_logging,
-                             stop_elastic, write_elastic_report)
+from hvdtrain.report import ElasticReport, EpochMetrics, run_header, setup_logging
 from hvdtrain.torch import adapter, checkpoint
 from hvdtrain.torch.models import build_model
 from hvdtrain.torch.trainer import _all_finite, evaluate
@@ -107,27 +106,8 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                         {"torch": torch.__version__, "horovod": horovod.__version__})
     header["elastic"] = True
 
-    def write_report() -> dict:
-        header["skipped_steps"] = state.skipped
-        return write_elastic_report(out, header, state.history, hvd.size(), hvd.rank() == 0)
-
-    def stop(key: str, message: str, history: list[dict]) -> None:
-        header["skipped_steps"] = state.skipped
-        stop_elastic(out, header, history, hvd.size(), hvd.rank() == 0, key, message,
-                     hold=lambda: hvd.broadcast_object(None, root_rank=0, name=f"hvdtrain.{key}"))
-
-    def nonfinite(loss_finite: bool) -> None:
-        """After a step whose all-reduced gradients were not finite (every rank alike)."""
-        bad_ranks = adapter.ranks_where(not loss_finite, name="hvdtrain.nonfinite")
-        message = runtime.nonfinite_message(bad_ranks, state.step, state.epoch + 1)
-        if cfg.on_nonfinite == "stop":
-            error = runtime.nonfinite_stop(message)
-            stop("nonfinite_stop", str(error), state.history)
-            error.reported = True
-            raise error
-        log.warning("%s: step skipped on all ranks", message)
-        state.skipped += 1
-        state.epoch_skipped += 1
+    report = ElasticReport(out, header, state, cfg, hvd.size, lambda: hvd.rank() == 0,
+                           hvd.broadcast_object)
 
     @hvd.elastic.run
     def train(state) -> None:
@@ -149,8 +129,9 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                 if _all_finite(p.grad for p in params):
                     with optimizer.skip_synchronize():
                         optimizer.step()
-                else:
-                    nonfinite(finite)
+                else:  # every rank alike: the averaged gradients are the same everywhere
+                    report.skipped_step(
+                        adapter.ranks_where(not finite, name="hvdtrain.nonfinite"), state.step)
                 totals = adapter.allreduce_sums(
                     {"n": len(x), "seen": len(x) if finite else 0,
                      "loss": loss.item() * len(x) if finite else 0.0,
@@ -173,10 +154,7 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                                    state.batch - state.epoch_skipped, seconds,
                                    state.seen / seconds)
             entry = {**vars(metrics), "samples": state.samples, "sizes": list(state.sizes)}
-            why = elastic_divergence(state.history, metrics, cfg, split.num_classes)
-            if why:  # before the epoch's checkpoint: the last good one stays
-                stop("diverged", why, state.history + [entry])
-                raise guard.DivergenceError(why, reported=True)
+            report.check_divergence(metrics, entry, split.num_classes)  # before its checkpoint
             state.history = state.history + [entry]
             if hvd.rank() == 0:
                 log.info("epoch %d: %d samples at sizes %s | test acc %.4f", state.epoch + 1,
@@ -186,7 +164,7 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                     "epoch": state.epoch + 1, "step": 0, "size": hvd.size(),
                     "global_batch": cfg.global_batch(hvd.size()), "config": cfg.to_dict(),
                     "rng": checkpoint.rng_state(), "metrics": state.history})
-                write_report()
+                report.write()
             state.epoch += 1
             state.batch, state.samples, state.seen, state.epoch_skipped = 0, 0, 0, 0
             state.loss_sum, state.correct = 0.0, 0
@@ -195,4 +173,4 @@ def fit_elastic(cfg: TrainConfig) -> dict:
             state.commit()
 
     train(state)
-    return write_report()
+    return report.write()
