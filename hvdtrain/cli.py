@@ -106,7 +106,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     fields = {k: v for k, v in vars(args).items() if k not in ("command", "func")}
     try:
         cfg = TrainConfig(**fields).validate()
-        runtime.thread_budget(1)  # a bad OMP_NUM_THREADS, named before any work
+        runtime.omp_num_threads()  # a bad OMP_NUM_THREADS, named before any work
     except (ConfigError, ValueError) as exc:
         return _fail(str(exc))
     if cfg.framework == "keras":  # before Keras is imported: it reads the backend once
@@ -226,7 +226,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return _fail("no command to launch; write it after '--', e.g. "
                      "hvdtrain launch --hostfile hosts -np 2 -- hvdtrain train")
     try:
-        runtime.thread_budget(1)  # OMP_NUM_THREADS goes to every rank: check it here first
+        runtime.omp_num_threads()  # it goes to every rank: check it here first
     except ValueError as exc:
         return _fail(str(exc))
     if args.elastic:

@@ -91,6 +91,23 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def omp_num_threads(env: Mapping[str, str] | None = None) -> int | None:
+    """The threads per rank ``OMP_NUM_THREADS`` asks for, or None when it is unset or empty. An
+    OpenMP list for nested levels ("4,2") gives its first value, the rank's own.
+
+    Raises:
+        ValueError: set but not a whole number >= 1; the message names the value and the fix.
+    """
+    value = (os.environ if env is None else env).get("OMP_NUM_THREADS", "").strip()
+    if not value:
+        return None
+    first = value.split(",")[0].strip()
+    if not (first.isascii() and first.isdigit()) or int(first) < 1:
+        raise ValueError(f"OMP_NUM_THREADS must be a whole number >= 1 (threads per rank); "
+                         f"got {value!r}: unset it or set e.g. OMP_NUM_THREADS=1")
+    return int(first)
+
+
 def thread_budget(local_size: int, cores: int | None = None,
                   env: Mapping[str, str] | None = None) -> int:
     """Intra-op threads each rank should use so that the ranks on one host do not fight over cores.
@@ -114,14 +131,9 @@ def thread_budget(local_size: int, cores: int | None = None,
     """
     if local_size < 1:
         raise ValueError(f"local_size must be >= 1, got {local_size}")
-    value = (os.environ if env is None else env).get("OMP_NUM_THREADS", "").strip()
-    if value:
-        # OpenMP allows a list for nested levels ("4,2"): the first is the rank's own.
-        first = value.split(",")[0].strip()
-        if not (first.isascii() and first.isdigit()) or int(first) < 1:
-            raise ValueError(f"OMP_NUM_THREADS must be a whole number >= 1 (threads per rank); "
-                             f"got {value!r}: unset it or set e.g. OMP_NUM_THREADS=1")
-        return int(first)
+    requested = omp_num_threads(env)
+    if requested is not None:
+        return requested
     cores = available_cores() if cores is None else cores
     return max(1, cores // local_size)
 

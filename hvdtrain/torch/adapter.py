@@ -99,6 +99,14 @@ def allreduce_sums(values: dict[str, float], name: str = "hvdtrain.metrics") -> 
     return dict(zip(keys, summed.tolist()))
 
 
+def all_finite(tensors) -> bool:
+    """True when every tensor (any shape; None entries skipped) holds only finite numbers, with
+    one device synchronisation. On gradients after ``optimizer.synchronize()`` (the same on every
+    rank) every rank gets the same answer without a collective."""
+    flags = [torch.isfinite(t).all() for t in tensors if t is not None]
+    return bool(torch.stack(flags).all()) if flags else True
+
+
 def ranks_where(flag: bool, name: str = "hvdtrain.flag") -> list[int]:
     """The ranks on which ``flag`` is true, known to every rank after one all-reduce (a vector of
     ``size`` numbers). Every rank must call it at the same point.

@@ -38,7 +38,7 @@ from hvdtrain.config import TrainConfig
 from hvdtrain.report import ElasticReport, EpochMetrics, run_header, setup_logging
 from hvdtrain.torch import adapter, checkpoint
 from hvdtrain.torch.models import build_model
-from hvdtrain.torch.trainer import _all_finite, evaluate
+from hvdtrain.torch.trainer import evaluate
 
 log = logging.getLogger("hvdtrain")
 
@@ -126,7 +126,7 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                 loss.backward()
                 optimizer.synchronize()  # the averaged gradients: the same on every rank
                 finite = bool(torch.isfinite(loss))
-                if _all_finite(p.grad for p in params):
+                if adapter.all_finite(p.grad for p in params):
                     with optimizer.skip_synchronize():
                         optimizer.step()
                 else:  # every rank alike: the averaged gradients are the same everywhere

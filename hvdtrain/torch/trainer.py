@@ -95,12 +95,6 @@ class _SkipSampler(torch.utils.data.Sampler):
         return max(0, len(self.sampler) - self.skip)
 
 
-def _all_finite(tensors) -> bool:
-    """True when every tensor holds only finite numbers (one device synchronisation)."""
-    flags = [torch.isfinite(t).all() for t in tensors if t is not None]
-    return bool(torch.stack(flags).all()) if flags else True
-
-
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -299,11 +293,12 @@ def fit(cfg: TrainConfig) -> dict:
                                                op=hvd.Sum, name="hvdtrain.preempt")
                     if adasum:
                         optimizer.step()  # Adasum combines the ranks' updates inside step()
-                        ok = _all_finite(params)  # the combined weights: equal on every rank
+                        ok = adapter.all_finite(params)  # the combined weights: equal on every rank
                     else:
                         optimizer.synchronize()  # gradients averaged: bitwise equal on every
                         scaler.unscale_(optimizer)  # rank (fp16: the loss scale taken out),
-                        ok = _all_finite(p.grad for p in params)  # so every rank decides alike
+                        # so every rank decides alike
+                        ok = adapter.all_finite(p.grad for p in params)
                         if ok:
                             with optimizer.skip_synchronize():
                                 scaler.step(optimizer)  # optimizer.step() when no scaler
