@@ -242,6 +242,35 @@ class ElasticReport:
                  broadcast_object: Callable[..., object]):
         self.out, self.header, self.state, self.cfg = Path(output_dir), header, state, cfg
         self.size, self.is_root, self.broadcast_object = size, is_root, broadcast_object
+        self._board: Board | None = None  # opened when this process first writes as rank 0
+        self._written: set[int] = set()  # the epochs on its event file
+
+    def board_epochs(self, history: list[dict]) -> None:
+        """On rank 0 (whoever it is now: after a reset another process may be), the TensorBoard
+        scalars (:meth:`hvdtrain.tensorboard.Board.epoch`, flushed at once) of every epoch in
+        ``history`` (entries as in ``state.history``) that this process has not written yet, with
+        the global batch at the last size the epoch ran at; nothing elsewhere or with
+        ``--no-tensorboard``. Each process that writes as rank 0 opens its own event file in
+        ``<output_dir>/tensorboard`` and starts it with the epochs before it (a rank 0 lost
+        after ``metrics.json`` but before its events would otherwise leave a gap); TensorBoard
+        reads the files as one run, where an epoch both wrote shows twice at the same step with
+        the same numbers. No per-step points."""
+        if not (self.cfg.tensorboard and self.is_root()):
+            return
+        if self._board is None:
+            self._board = Board(self.out, True, True)
+        for entry in history:
+            if entry["epoch"] in self._written:
+                continue
+            metrics = EpochMetrics(**{k: v for k, v in entry.items() if k not in ELASTIC_EXTRA})
+            sizes = entry.get("sizes") or [self.size()]
+            self._board.epoch(metrics, self.cfg.global_batch(sizes[-1]))
+            self._written.add(entry["epoch"])
+
+    def close(self) -> None:
+        """Close the TensorBoard event file, where this process opened one."""
+        if self._board is not None:
+            self._board.close()
 
     def write(self) -> dict:
         """Rewrite ``metrics.json`` from the committed history (rank 0); the report, every rank."""
@@ -297,5 +326,7 @@ class ElasticReport:
         if why:
             message = (f"{why}; epoch {metrics.epoch} was not checkpointed: the checkpoint in "
                        f"{self.out} is the epoch before it")
+            self.board_epochs(self.state.history + [entry])  # the diverged epoch too
+            self.close()
             self.stop("diverged", message, self.state.history + [entry])
             raise guard.DivergenceError(message, reported=True)

@@ -224,6 +224,7 @@ def fit_elastic(cfg: TrainConfig) -> dict:
         # --fault-nan-at counts optimizer steps over the run, as in the other trainers: the
         # loss's own counter starts where the (synced or restored) optimizer is.
         train_loss.calls.assign(int(ops.convert_to_numpy(optimizer.iterations)))
+        train_loss.rank.assign(hvd.rank())  # --fault-nan-at names a rank: the one it is now
         while state.epoch < cfg.epochs:
             start = time.perf_counter()
             if hvd.size() not in state.sizes:
@@ -268,6 +269,7 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                                  "config": cfg.to_dict(), "rng": runtime.python_numpy_rng_state(),
                                  "metrics": state.history})
                 report.write()
+            report.board_epochs(state.history)
             state.epoch += 1
             state.batch, state.done, state.samples, state.seen = 0, 0, 0, 0
             state.epoch_skipped = 0
@@ -275,5 +277,8 @@ def fit_elastic(cfg: TrainConfig) -> dict:
             state.sizes = []
             state.commit()
 
-    train(state)
+    try:
+        train(state)
+    finally:
+        report.close()
     return report.write()

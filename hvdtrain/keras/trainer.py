@@ -45,13 +45,15 @@ class TrainLoss:
       a mid-epoch checkpoint; and
     - carries out ``--fault-nan-at RANK:STEP``: that rank's loss is NaN in optimizer step STEP,
       counted by this loss's own micro-batch counter ``calls`` // k (with fp16 a skipped step does
-      not advance ``optimizer.iterations``, so the fault would otherwise repeat).
+      not advance ``optimizer.iterations``, so the fault would otherwise repeat). The rank is the
+      variable ``rank``: an elastic run assigns the current rank at each (re)start, since a
+      worker's rank can change at a reset while the traced step stays.
     """
 
     def __init__(self, optimizer, k: int, rank: int, fault: tuple[int, int] | None):
         self.base = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-        self.optimizer, self.k = optimizer, k
-        self.fault_step = fault[1] if fault and fault[0] == rank else None
+        self.optimizer, self.k, self.fault = optimizer, k, fault
+        self.rank = keras.Variable(rank, dtype="int64", trainable=False, name="loss_rank")
         self.calls = keras.Variable(0, dtype="int64", trainable=False, name="loss_calls")
         self.loss_sum = keras.Variable(0.0, dtype="float64", trainable=False, name="loss_sum")
         self.samples = keras.Variable(0.0, dtype="float64", trainable=False, name="samples")
@@ -60,8 +62,9 @@ class TrainLoss:
 
     def __call__(self, y_true, y_pred):
         loss = self.base(y_true, y_pred)
-        if self.fault_step is not None:
-            hit = ops.equal(ops.floor_divide(self.calls, self.k), self.fault_step)
+        if self.fault is not None:
+            hit = ops.logical_and(ops.equal(self.rank, self.fault[0]),
+                                  ops.equal(ops.floor_divide(self.calls, self.k), self.fault[1]))
             # A factor, not where(hit, loss * nan, loss): that one's gradient is NaN always.
             loss = loss * ops.where(hit, float("nan"), 1.0)
         value = ops.cast(ops.stop_gradient(loss), "float64")

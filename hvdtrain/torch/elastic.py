@@ -165,6 +165,7 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                     "global_batch": cfg.global_batch(hvd.size()), "config": cfg.to_dict(),
                     "rng": checkpoint.rng_state(), "metrics": state.history})
                 report.write()
+            report.board_epochs(state.history)
             state.epoch += 1
             state.batch, state.samples, state.seen, state.epoch_skipped = 0, 0, 0, 0
             state.loss_sum, state.correct = 0.0, 0
@@ -172,5 +173,8 @@ def fit_elastic(cfg: TrainConfig) -> dict:
             sampler.set_epoch(state.epoch)
             state.commit()
 
-    train(state)
+    try:
+        train(state)
+    finally:
+        report.close()
     return report.write()

@@ -1,6 +1,7 @@
 """Horovod Elastic under real failures, for both trainers: three workers on three test hosts, one is
 killed, training goes on with two; a host added through the discovery script joins. And the
-non-finite check and the divergence check of elastic runs (two workers on this host)."""
+non-finite check and the divergence check of elastic runs (two workers on this host). Each run's
+TensorBoard epoch points are read back and matched against metrics.json."""
 import json
 import os
 import signal
@@ -18,6 +19,25 @@ def epochs_done(out):
         return json.loads((out / "metrics.json").read_text())["epochs"]
     except (FileNotFoundError, json.JSONDecodeError):
         return []
+
+
+def epoch_points(out, tag):
+    """TensorBoard's ``epoch/<tag>`` points of a run, read back with TensorBoard's own reader
+    (every event file in ``<out>/tensorboard``): {epoch: value}; an epoch on two files (a new
+    rank 0 after a reset repeats the epochs before it) gives its last point."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars(f"epoch/{tag}")}
+
+
+def assert_board_matches(out, epochs):
+    """The TensorBoard epoch points are metrics.json's epochs (float32 on the event file)."""
+    for tag in ("test_accuracy", "train_loss"):
+        points = epoch_points(out, tag)
+        assert sorted(points) == [e["epoch"] for e in epochs], (tag, points)
+        for e in epochs:
+            assert points[e["epoch"]] == pytest.approx(e[tag], rel=1e-6), (tag, e)
 
 
 def worker_pid(host):
@@ -83,6 +103,7 @@ def test_elastic_survives_a_lost_worker_and_takes_a_new_one(tmp_path, framework)
         for e in epochs:
             assert train_samples <= e["samples"] <= train_samples + 16 * 3, e
         assert epochs[-1]["test_accuracy"] >= 0.95, epochs[-1]
+        assert_board_matches(out, epochs)
 
 
 def elastic_local(tmp_path, framework, *train_args):
@@ -130,6 +151,7 @@ def test_elastic_skips_a_nonfinite_step_and_stops_when_the_run_diverges(tmp_path
     assert m["diverged"].startswith("training diverged in epoch 2: "), m["diverged"]
     assert "--no-divergence-check" in m["diverged"] and "warmup" not in m["diverged"]
     assert checkpoint_epoch(out, framework) == 1  # the last good epoch's checkpoint stays
+    assert_board_matches(out, epochs)  # the diverged epoch is on TensorBoard too
 
 
 @pytest.mark.parametrize("framework", ["torch", "keras"])
@@ -189,3 +211,5 @@ def test_keras_elastic_grows_from_two_workers_to_three_on_this_host(tmp_path):
     assert len(sizes) == EPOCHS_GROWING and sizes[0] == [2] and 3 in sizes[-1], sizes
     assert m["skipped_steps"] == 0
     assert m["final_test_accuracy"] >= 0.9, m["final_test_accuracy"]
+    assert_board_matches(out, m["epochs"])
+    assert epoch_points(out, "global_batch")[EPOCHS_GROWING] == 8 * 3  # batch 8 x 3 workers

@@ -66,6 +66,20 @@ def test_stop_mode_raises_at_the_bad_step_with_weights_intact():
     assert all(np.isfinite(w).all() for w in model.get_weights())
 
 
+def test_the_fault_follows_the_rank_variable_which_elastic_runs_reassign():
+    # --fault-nan-at 1:0 on a process that starts as rank 0: no fault; once its rank variable
+    # says 1 (an elastic reset renumbered it), it fires at step 0 of the counter.
+    hk.init(seed=0)
+    optimizer = keras.optimizers.SGD(0.05)
+    loss = TrainLoss(optimizer, 1, 0, (1, 0))
+    y_pred = keras.ops.convert_to_tensor(np.eye(10, dtype=np.float32)[Y[:4]])
+    assert np.isfinite(float(keras.ops.convert_to_numpy(loss(Y[:4], y_pred))))
+    loss.calls.assign(0)
+    loss.rank.assign(1)
+    assert np.isnan(float(keras.ops.convert_to_numpy(loss(Y[:4], y_pred))))
+    assert np.isfinite(float(keras.ops.convert_to_numpy(loss(Y[:4], y_pred))))  # step 1: none
+
+
 def test_distribute_rejects_an_unknown_nonfinite_mode():
     hk.init(seed=0)
     with pytest.raises(ValueError, match="on_nonfinite must be None, 'skip' or 'stop'"):

@@ -66,3 +66,39 @@ def test_the_board_closes_on_the_way_out_of_a_failed_loop(tmp_path):
             raise RuntimeError("a non-finite loss stopped the run")
     assert not board.enabled  # closed: the event reached the disk
     assert scalars(tmp_path / "tensorboard")["step/loss"] == [(1, 2.5)]
+
+
+def test_elastic_epochs_survive_a_lost_rank_0(tmp_path):
+    # The first rank 0 writes epoch 1 and dies before epoch 2's points; the worker that is rank 0
+    # after the reset starts its own event file with the committed epochs it has not written.
+    # TensorBoard's reader gets every epoch, with the global batch at each epoch's last size
+    # (epoch 1 twice, from both files, with the same numbers).
+    import time
+    from types import SimpleNamespace
+
+    from hvdtrain.config import TrainConfig
+    from hvdtrain.report import ElasticReport
+
+    cfg = TrainConfig(batch_size=16, tensorboard=True)
+    history = [{**vars(EpochMetrics(e, 1.0 / e, 0.5 + e / 10, 0.8 / e, 0.8 + e / 100, 0.02, 45,
+                                    1.5, 900.0)), "samples": 1438, "sizes": sizes}
+               for e, sizes in ((1, [3]), (2, [3, 2]), (3, [2]))]
+    state = SimpleNamespace(history=history[:1], skipped=0, epoch=1)
+    first = ElasticReport(tmp_path, {}, state, cfg, lambda: 3, lambda: True, None)
+    first.board_epochs(state.history)
+    first.close()  # as good as a SIGKILL: Board.epoch flushed already
+    time.sleep(1.1)  # tensorboardX names event files by the second
+    state.history = history
+    second = ElasticReport(tmp_path, {}, state, cfg, lambda: 2, lambda: True, None)
+    second.board_epochs(state.history[:2])
+    second.board_epochs(state.history)  # epoch 3 only: 1 and 2 are on its file already
+    second.close()
+    got = scalars(tmp_path / "tensorboard")
+    assert [s for s, _ in got["epoch/test_accuracy"]] == [1, 1, 2, 3]
+    for step, value in got["epoch/test_accuracy"]:
+        assert value == pytest.approx(history[step - 1]["test_accuracy"], rel=1e-6)
+    assert got["epoch/global_batch"] == [(1, 48.0), (1, 48.0), (2, 32.0), (3, 32.0)]
+    assert len(list((tmp_path / "tensorboard").iterdir())) == 2
+    idle = ElasticReport(tmp_path / "other", {}, state, cfg, lambda: 2, lambda: False, None)
+    idle.board_epochs(history)  # not rank 0: no file at all
+    assert not (tmp_path / "other").exists()
