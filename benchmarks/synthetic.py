@@ -42,7 +42,10 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, help="--mode single: intra-op threads (default: all)")
     p.add_argument("--timeline-allreduces", action="store_true",
                    help="count gradient all-reduces in Horovod's timeline over the timed batches")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.mode == "ddp" and args.framework != "torch":
+        p.error("--mode ddp is PyTorch's DistributedDataParallel: use it with --framework torch")
+    return args
 
 
 def torch_setup(args):

@@ -245,32 +245,42 @@ class ElasticReport:
         self._board: Board | None = None  # opened when this process first writes as rank 0
         self._written: set[int] = set()  # the epochs on its event file
 
-    def board_epochs(self, history: list[dict]) -> None:
+    def board_epochs(self, history: list[dict], last_tentative: bool = False) -> None:
         """On rank 0 (whoever it is now: after a reset another process may be), the TensorBoard
         scalars (:meth:`hvdtrain.tensorboard.Board.epoch`, flushed at once) of every epoch in
         ``history`` (entries as in ``state.history``) that this process has not written yet, with
-        the global batch at the last size the epoch ran at; nothing elsewhere or with
+        the global batch at the last size in the epoch's ``sizes`` (the size it ended at, unless
+        it went back to a size it had run at before); nothing elsewhere or with
         ``--no-tensorboard``. Each process that writes as rank 0 opens its own event file in
         ``<output_dir>/tensorboard`` and starts it with the epochs before it (a rank 0 lost
         after ``metrics.json`` but before its events would otherwise leave a gap); TensorBoard
-        reads the files as one run, where an epoch both wrote shows twice at the same step with
-        the same numbers. No per-step points."""
+        reads the files as one run, where an epoch both wrote shows twice at the same step (the
+        same losses, accuracies and lr; ``samples_per_sec`` is each one's own timing). No
+        per-step points.
+
+        ``last_tentative``: the last entry is written but not counted as written (the diverged
+        epoch: if a worker is lost while the run stops, the survivors train it again, and the
+        new numbers are written too).
+        """
         if not (self.cfg.tensorboard and self.is_root()):
             return
         if self._board is None:
             self._board = Board(self.out, True, True)
-        for entry in history:
+        for i, entry in enumerate(history):
             if entry["epoch"] in self._written:
                 continue
             metrics = EpochMetrics(**{k: v for k, v in entry.items() if k not in ELASTIC_EXTRA})
             sizes = entry.get("sizes") or [self.size()]
             self._board.epoch(metrics, self.cfg.global_batch(sizes[-1]))
-            self._written.add(entry["epoch"])
+            if not (last_tentative and i == len(history) - 1):
+                self._written.add(entry["epoch"])
 
     def close(self) -> None:
-        """Close the TensorBoard event file, where this process opened one."""
+        """Close the TensorBoard event file, where this process opened one (a later
+        :meth:`board_epochs` opens a new one)."""
         if self._board is not None:
             self._board.close()
+            self._board = None
 
     def write(self) -> dict:
         """Rewrite ``metrics.json`` from the committed history (rank 0); the report, every rank."""
@@ -326,7 +336,6 @@ class ElasticReport:
         if why:
             message = (f"{why}; epoch {metrics.epoch} was not checkpointed: the checkpoint in "
                        f"{self.out} is the epoch before it")
-            self.board_epochs(self.state.history + [entry])  # the diverged epoch too
-            self.close()
+            self.board_epochs(self.state.history + [entry], last_tentative=True)
             self.stop("diverged", message, self.state.history + [entry])
             raise guard.DivergenceError(message, reported=True)

@@ -42,7 +42,10 @@ class Board:
         self._writer = None
         if enabled and is_root:
             from tensorboardX import SummaryWriter
-            self._writer = SummaryWriter(logdir=str(self.log_dir), flush_secs=10)
+            # The pid in the name: tensorboardX names files by the second and host, and two
+            # processes of one host (an elastic rank 0 and its successor) must not share a file.
+            self._writer = SummaryWriter(logdir=str(self.log_dir), flush_secs=10,
+                                         filename_suffix=f".{os.getpid()}")
 
     @property
     def enabled(self) -> bool:

@@ -183,10 +183,11 @@ def fit_elastic(cfg: TrainConfig) -> dict:
         return lr_schedule.lr_at(int(ops.convert_to_numpy(optimizer.iterations)))
 
     # seen: samples whose loss was finite (the epoch's loss and accuracy are over these);
-    # skipped, epoch_skipped: optimizer steps skipped for non-finite gradients (run, epoch).
+    # skipped, epoch_skipped: optimizer steps skipped for non-finite gradients (run, epoch);
+    # started: the epoch's start, time.time() seconds (committed: seconds span resets).
     state = KerasState(model, optimizer, epoch=0, batch=0, done=0, samples=0, seen=0,
                        loss_sum=0.0, correct=0.0, skipped=0, epoch_skipped=0, sizes=[],
-                       history=[])
+                       history=[], started=0.0)
 
     def on_reset() -> None:
         set_lr()
@@ -226,7 +227,8 @@ def fit_elastic(cfg: TrainConfig) -> dict:
         train_loss.calls.assign(int(ops.convert_to_numpy(optimizer.iterations)))
         train_loss.rank.assign(hvd.rank())  # --fault-nan-at names a rank: the one it is now
         while state.epoch < cfg.epochs:
-            start = time.perf_counter()
+            if state.batch == 0:  # a fresh epoch; a reset into a committed mid-epoch state
+                state.started = time.time()  # keeps its start (wall clock: any host)
             if hvd.size() not in state.sizes:
                 state.sizes = state.sizes + [hvd.size()]
             mine = epoch_shard(len(x_train), state.done, cfg.seed, state.epoch, hvd.rank(),
@@ -250,7 +252,7 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                 if state.batch % cfg.commit_every == 0:
                     state.commit()
             test_loss, test_acc = evaluate(model, x_test, split.y_test, hvd.rank(), hvd.size())
-            seconds = time.perf_counter() - start
+            seconds = time.time() - state.started  # resets and replays included
             seen = max(state.seen, 1)
             metrics = EpochMetrics(state.epoch + 1, state.loss_sum / seen, state.correct / seen,
                                    test_loss, test_acc, current_lr(),

@@ -87,10 +87,12 @@ def fit_elastic(cfg: TrainConfig) -> dict:
 
     # step: optimizer steps over the run (--fault-nan-at counts these); seen: samples whose
     # loss was finite (the epoch's loss and accuracy are over these); skipped,
-    # epoch_skipped: optimizer steps skipped (in the run, in the epoch).
+    # epoch_skipped: optimizer steps skipped (in the run, in the epoch); started: the epoch's
+    # start, time.time() seconds (committed, so an epoch's seconds span its resets).
     state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0,
                                    batch=0, step=0, samples=0, seen=0, loss_sum=0.0, correct=0,
-                                   skipped=0, epoch_skipped=0, sizes=[], history=[])
+                                   skipped=0, epoch_skipped=0, sizes=[], history=[],
+                                   started=0.0)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     fault = cfg.fault()
 
@@ -113,7 +115,8 @@ def fit_elastic(cfg: TrainConfig) -> dict:
     def train(state) -> None:
         set_lr()
         while state.epoch < cfg.epochs:
-            start = time.perf_counter()
+            if state.batch == 0:  # a fresh epoch; a reset into a committed mid-epoch state
+                state.started = time.time()  # keeps its start (wall clock: any host)
             if hvd.size() not in state.sizes:
                 state.sizes = state.sizes + [hvd.size()]
             model.train()
@@ -147,7 +150,7 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                 if state.batch % cfg.commit_every == 0:
                     state.commit()
             test_loss, test_acc = evaluate(model, x_test, y_test, hvd.rank(), hvd.size())
-            seconds = time.perf_counter() - start
+            seconds = time.time() - state.started  # resets and replays included
             seen = max(state.seen, 1)
             metrics = EpochMetrics(state.epoch + 1, state.loss_sum / seen, state.correct / seen,
                                    test_loss, test_acc, optimizer.param_groups[0]["lr"],

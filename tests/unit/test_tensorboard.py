@@ -87,7 +87,7 @@ def test_elastic_epochs_survive_a_lost_rank_0(tmp_path):
     first = ElasticReport(tmp_path, {}, state, cfg, lambda: 3, lambda: True, None)
     first.board_epochs(state.history)
     first.close()  # as good as a SIGKILL: Board.epoch flushed already
-    time.sleep(1.1)  # tensorboardX names event files by the second
+    time.sleep(1.1)  # event files are named by the second (then the pid) and read in that order
     state.history = history
     second = ElasticReport(tmp_path, {}, state, cfg, lambda: 2, lambda: True, None)
     second.board_epochs(state.history[:2])
@@ -102,3 +102,27 @@ def test_elastic_epochs_survive_a_lost_rank_0(tmp_path):
     idle = ElasticReport(tmp_path / "other", {}, state, cfg, lambda: 2, lambda: False, None)
     idle.board_epochs(history)  # not rank 0: no file at all
     assert not (tmp_path / "other").exists()
+
+
+def test_a_diverged_epoch_trained_again_after_a_reset_is_written_again(tmp_path):
+    # The divergence stop writes epoch 2 and holds; a worker lost in the hold makes the survivors
+    # train epoch 2 again: its new numbers and epoch 3 reach the (same process's) events.
+    from types import SimpleNamespace
+
+    from hvdtrain.config import TrainConfig
+    from hvdtrain.report import ElasticReport
+
+    def entry(epoch, acc):
+        return {**vars(EpochMetrics(epoch, 1.0, acc, 1.0, acc, 0.02, 45, 1.5, 900.0)),
+                "samples": 1438, "sizes": [2]}
+
+    state = SimpleNamespace(history=[entry(1, 0.9)], skipped=0, epoch=1)
+    report = ElasticReport(tmp_path, {}, state, TrainConfig(tensorboard=True), lambda: 2,
+                           lambda: True, None)
+    report.board_epochs(state.history)
+    report.board_epochs(state.history + [entry(2, 0.1)], last_tentative=True)
+    state.history = [entry(1, 0.9), entry(2, 0.93), entry(3, 0.95)]
+    report.board_epochs(state.history)
+    report.close()
+    got = scalars(tmp_path / "tensorboard")["epoch/test_accuracy"]
+    assert [(s, round(v, 4)) for s, v in got] == [(1, 0.9), (2, 0.1), (2, 0.93), (3, 0.95)]
