@@ -206,6 +206,8 @@ def write_elastic_report(output_dir: str | os.PathLike, header: dict, history: l
     """``metrics.json`` of an elastic run, built from the committed epoch history (each entry an
     :class:`EpochMetrics` dict plus ``samples``: training samples committed in that epoch over all
     workers, and ``sizes``: the world sizes it ran at). ``size`` is the current world size.
+    An elastic epoch's ``seconds`` run from its start to the end of its evaluation (its start is
+    committed state: a reset back to a commit inside the epoch keeps it, the time lost counted).
     Rank 0 writes it atomically; every rank gets it back."""
     report = RunReport(output_dir, header, is_root=is_root)
     report.epochs = [EpochMetrics(**{k: v for k, v in e.items() if k not in ELASTIC_EXTRA})
