@@ -68,6 +68,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                         help="skip (the step, on all ranks) or stop when a loss is NaN/Inf")
     parser.add_argument("--fault-nan-at", default=d.fault_nan_at, metavar="RANK:STEP",
                         help="fault drill: make RANK's loss NaN at optimizer STEP")
+    parser.add_argument("--fault-slow-from", default=d.fault_slow_from, metavar="STEP:SECONDS",
+                        help="fault drill: from optimizer STEP on, every rank sleeps SECONDS "
+                             "before each step (a slow node; tests time signals with it)")
     parser.add_argument("--elastic", action="store_true",
                         help="Horovod Elastic training (launch with hvdtrain launch --elastic)")
     parser.add_argument("--commit-every", type=int, default=d.commit_every,

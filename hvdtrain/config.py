@@ -64,6 +64,11 @@ class TrainConfig:
             on every rank, or ``"stop"`` the job (PyTorch).
         fault_nan_at: fault injection for drills and tests, ``"RANK:STEP"``: that rank's loss
             becomes NaN at that optimizer step (0-based); empty for none.
+        fault_slow_from: fault drill for tests and drills, ``"STEP:SECONDS"``: from optimizer
+            step STEP (0-based, counted over the run) on, every rank sleeps SECONDS before each
+            optimizer step, as on a slow or overloaded node. A signal or a kill sent once an
+            earlier epoch is recorded then lands in a known epoch on any machine, however fast.
+            Training math is unchanged; empty for none.
         elastic: train with Horovod Elastic (launch with ``hvdtrain launch --elastic``).
         commit_every: elastic: commit the training state every this many optimizer steps.
         device: ``"auto"`` (a GPU per rank when the host has them, else the CPU), ``"cpu"`` or
@@ -107,6 +112,7 @@ class TrainConfig:
     requeue: bool = True
     on_nonfinite: str = "skip"
     fault_nan_at: str = ""
+    fault_slow_from: str = ""
     elastic: bool = False
     commit_every: int = 10
     device: str = "auto"
@@ -136,6 +142,25 @@ class TrainConfig:
             raise ConfigError(f"--fault-nan-at must be RANK:STEP, e.g. 1:5; got "
                               f"{self.fault_nan_at!r}")
         return int(rank), int(step)
+
+    def slow_fault(self) -> tuple[int, float] | None:
+        """``(step, seconds)`` parsed from ``fault_slow_from``, or None.
+
+        Raises:
+            ConfigError: not of the form ``STEP:SECONDS`` with a whole STEP >= 0 and
+                0 <= SECONDS <= 60.
+        """
+        if not self.fault_slow_from:
+            return None
+        step, _, seconds = self.fault_slow_from.partition(":")
+        try:
+            pause = float(seconds)
+        except ValueError:
+            pause = -1.0
+        if not step.isdigit() or not 0 <= pause <= 60:
+            raise ConfigError(f"--fault-slow-from must be STEP:SECONDS with SECONDS in [0, 60], "
+                              f"e.g. 75:0.05; got {self.fault_slow_from!r}")
+        return int(step), pause
 
     def to_dict(self) -> dict:
         """A JSON-ready copy of the options."""
@@ -179,6 +204,7 @@ class TrainConfig:
         choice("--precision", self.precision, PRECISIONS)
         if self.fault_nan_at:
             self.fault()
+        self.slow_fault()
         if self.elastic:
             if self.backward_passes_per_step != 1 or self.resume:
                 raise ConfigError("--elastic trains with -k 1 and without --resume (it keeps "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from collections.abc import Mapping
 
 import numpy as np
@@ -304,6 +305,14 @@ def nonfinite_stop(message: str) -> NonFiniteLossError:
     """The error raised with ``--on-nonfinite stop``, saying what to change."""
     return NonFiniteLossError(message + "; stopped (--on-nonfinite stop). Lower --lr or check "
                               "the data")
+
+
+def slow_step(slow: tuple[int, float] | None, step: int) -> None:
+    """The ``--fault-slow-from`` drill (:meth:`hvdtrain.config.TrainConfig.slow_fault`): sleep
+    ``slow[1]`` seconds before optimizer step ``step`` (0-based, over the run) once
+    ``step >= slow[0]``; nothing when ``slow`` is None."""
+    if slow is not None and step >= slow[0]:
+        time.sleep(slow[1])
 
 
 def python_numpy_rng_state() -> dict:

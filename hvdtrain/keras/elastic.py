@@ -235,6 +235,9 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                                hvd.size())
             for first in range(0, len(mine), cfg.batch_size):
                 idx = mine[first:first + cfg.batch_size]
+                if cfg.fault_slow_from:  # the run's optimizer steps so far (k is 1 here)
+                    runtime.slow_step(cfg.slow_fault(),
+                                      int(ops.convert_to_numpy(train_loss.calls)))
                 loss, accuracy = model.train_on_batch(x_train[idx], split.y_train[idx])
                 loss, accuracy = float(loss), float(accuracy)
                 finite = math.isfinite(loss)

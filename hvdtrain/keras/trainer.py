@@ -24,7 +24,8 @@ from hvdtrain.config import TrainConfig
 from hvdtrain.files import CheckpointError
 from hvdtrain.keras import _backend, adapter, checkpoint, sharding
 from hvdtrain.keras.callbacks import callbacks as fit_callbacks
-from hvdtrain.keras.trainer_callbacks import _Preemption, _StepPoints, _preempted, _save
+from hvdtrain.keras.trainer_callbacks import (SlowSteps, _Preemption, _StepPoints, _preempted,
+                                              _save)
 from hvdtrain.keras.models import build_model
 from hvdtrain.keras.optimizer import PreemptFlags
 from hvdtrain.report import EpochMetrics, RunReport, run_header, setup_logging
@@ -378,8 +379,10 @@ def _fit(cfg: TrainConfig, info) -> dict:
                 backward_passes_per_step=k, start_batch=initial * micro_per_epoch + done)
             preemption.offset = done
             points = _StepPoints(meter, state, offset=done)
+            slow = ([SlowSteps(cfg.slow_fault(), k, micro_per_epoch, done)]
+                    if cfg.fault_slow_from else [])
             model.fit(dataset, initial_epoch=initial, epochs=end, steps_per_epoch=steps,
-                      callbacks=[*callbacks, epoch_end, preemption, points],
+                      callbacks=[*callbacks, epoch_end, preemption, points, *slow],
                       verbose=1 if (info.is_root and cfg.progress) else 0)
             if preemption.stopped:
                 _preempted(state, model, epoch_end, signals)

@@ -141,3 +141,32 @@ def _preempted(s: dict, model, epoch_end: _EpochEnd, signals: preempt.Preemption
     # first rank exits.
     _backend.broadcast_object(None, root_rank=0, name="hvdtrain.preempt.done")
     raise preempt.Preempted(stopped["signal"], seconds)
+
+
+class SlowSteps(keras.callbacks.Callback):
+    """The ``--fault-slow-from STEP:SECONDS`` drill inside ``fit``: before the micro-batch that
+    ends each optimizer step (the one whose gradients are all-reduced), from step STEP on, every
+    rank sleeps SECONDS (:func:`hvdtrain.runtime.slow_step`).
+
+    Args:
+        slow: ``(step, seconds)`` from :meth:`hvdtrain.config.TrainConfig.slow_fault`.
+        k: micro-batches per optimizer step.
+        micro_per_epoch: micro-batches per epoch.
+        offset: micro-batches of the first epoch trained before this ``fit`` call.
+    """
+
+    def __init__(self, slow: tuple[int, float], k: int, micro_per_epoch: int, offset: int):
+        super().__init__()
+        self.slow, self.k, self.micro_per_epoch, self.offset = slow, k, micro_per_epoch, offset
+        self.epoch = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.offset = 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        micro = self.epoch * self.micro_per_epoch + self.offset + batch
+        if (micro + 1) % self.k == 0:
+            runtime.slow_step(self.slow, micro // self.k)

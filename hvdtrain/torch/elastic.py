@@ -94,7 +94,7 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                                    skipped=0, epoch_skipped=0, sizes=[], history=[],
                                    started=0.0)
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    fault = cfg.fault()
+    fault, slow = cfg.fault(), cfg.slow_fault()
 
     def on_reset() -> None:
         set_lr()
@@ -121,6 +121,7 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                 state.sizes = state.sizes + [hvd.size()]
             model.train()
             for x, y in loader:
+                runtime.slow_step(slow, state.step)
                 logits = model(x)
                 loss = F.cross_entropy(logits, y)
                 if fault == (hvd.rank(), state.step):

@@ -221,7 +221,7 @@ def fit(cfg: TrainConfig) -> dict:
         log.info("resumed after epoch %d%s (made with %d ranks, global batch %d)",
                  resumed["epoch"], f" and {start_batch} micro-batches" if start_batch else "",
                  resumed["size"], resumed["global_batch"])
-    fault = cfg.fault()
+    fault, slow = cfg.fault(), cfg.slow_fault()
     counters = (resumed or {}).get("counters") or {}
     skipped, overflows = counters.get("skipped", 0), counters.get("overflows", 0)
     adasum = cfg.op == "adasum"
@@ -287,6 +287,7 @@ def fit(cfg: TrainConfig) -> dict:
                     correct += torch.where(finite, (logits.argmax(1) == y).sum(), 0)
                     seen += finite.long() * micro.samples
                 if micro.sync:
+                    runtime.slow_step(slow, step)
                     # The ranks' signal flags ride along with the step's gradients: submitted
                     # now, read after the step (no extra wait; hvdtrain.preempt).
                     stop = hvd.allreduce_async(torch.tensor(signals.flags(), device=device),

@@ -13,6 +13,10 @@ import pytest
 from jobs import BIN, job_env, run
 from testhosts import SHARED_CORES_ENV, SshTestHosts
 
+# Every step >= 0.01 s (the --fault-slow-from drill): a floor on how fast an epoch can go, so that
+# what a test does after an epoch is recorded still lands while the job runs, on any machine.
+SLOW_STEPS = ["--fault-slow-from", "0:0.01"]
+
 
 def epochs_done(out):
     try:
@@ -58,6 +62,9 @@ def worker_pid(host):
 
 @pytest.mark.parametrize("framework", ["torch", "keras"])
 def test_elastic_survives_a_lost_worker_and_takes_a_new_one(tmp_path, framework):
+    # The kill after epoch 1 and the new host after epoch 4 must land while the job still runs:
+    # SLOW_STEPS gives the 8 epochs after the new host at least 8 x 45 x 0.01 s = 3.6 s on any
+    # machine, time for the driver's discovery (every second) and the workers' next commit.
     with SshTestHosts(count=4, slots=1) as hosts:
         first, spare = hosts.addresses[:3], hosts.addresses[3]
         available = tmp_path / "available"
@@ -71,7 +78,7 @@ def test_elastic_survives_a_lost_worker_and_takes_a_new_one(tmp_path, framework)
                 str(hosts.port), "--ssh-identity-file", str(hosts.identity),
                 "--network-interfaces", "lo", "--", "hvdtrain", "train", "--elastic",
                 "--framework", framework, "--epochs", "12", "--dataset", "digits", "--commit-every", "5",
-                "--output-dir", str(out), "--no-progress"]
+                "--output-dir", str(out), "--no-progress", *SLOW_STEPS]
         proc = subprocess.Popen(argv, env={**job_env(), **SHARED_CORES_ENV},
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
@@ -172,8 +179,11 @@ def test_elastic_on_nonfinite_stop_records_the_step_and_ends_the_job(tmp_path, f
 
 # The third slot is offered after epoch 1; Horovod's driver notices it at its next discovery and
 # the workers at their next commit, which took from 1 to more than 3 epochs of 1.3 s here (in
-# a CI run the job had ended first). Batch 8 (90 steps an epoch) and 8 epochs leave about 20 s.
+# a CI run the job had ended first). Batch 8 (90 steps an epoch at size 2) and 8 epochs, each
+# step >= 0.015 s (SLOW_GROWING): the 7 epochs after the offer last >= 7 x 60 x 0.015 s = 6 s on
+# any machine, however fast (about 20 s here).
 EPOCHS_GROWING = 8
+SLOW_GROWING = ["--fault-slow-from", "0:0.015"]
 
 
 def test_keras_elastic_grows_from_two_workers_to_three_on_this_host(tmp_path):
@@ -192,7 +202,7 @@ def test_keras_elastic_grows_from_two_workers_to_three_on_this_host(tmp_path):
             "-np", "2", "--host-discovery-script", str(discover), "--network-interfaces", "lo",
             "--", "hvdtrain", "train", "--elastic", "--framework", "keras", "--dataset",
             "digits", "--epochs", str(EPOCHS_GROWING), "--batch-size", "8", "--no-progress",
-            "--output-dir", str(out)]
+            "--output-dir", str(out), *SLOW_GROWING]
     proc = subprocess.Popen(argv, env={**job_env(), **SHARED_CORES_ENV}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

@@ -11,9 +11,13 @@ import pytest
 from jobs import Console
 from test_reliability import load_checkpoint, metrics, pids_of, run, start, train
 
-# ~1 s per epoch per rank here: long enough to signal mid-epoch.
 ARGS = ["--dataset", "synthetic", "--synthetic-samples", "6000", "--no-progress", "--epochs",
         "3", "-k", "2", "--warmup-epochs", "1"]
+# 4,800 training samples / (2 ranks x 16 x k=2) = 75 optimizer steps per epoch. The signalled
+# run's steps from epoch 2 on take >= 0.04 s each, so epoch 2 lasts >= 3 s on any machine and a
+# signal sent 0.3 s after epoch 1 is recorded lands in it (unslowed, an epoch took 0.3 s on a
+# fast machine). Only the signalled run is slowed; the math is the same.
+SLOW_FROM_EPOCH_2 = ["--fault-slow-from", "75:0.04"]
 EXIT_PREEMPTED = 75
 
 
@@ -51,7 +55,8 @@ def test_signal_mid_epoch_checkpoints_and_resume_auto_matches_an_uninterrupted_r
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     extra = ["--dropout", "0.1"] if framework == "torch" else []  # RNG restored mid-epoch too
     run(train(whole, *ARGS, *extra, framework=framework))
-    proc, output, seconds = preempt(broken, [*ARGS, *extra, "--resume", "auto"], framework, sig)
+    proc, output, seconds = preempt(broken, [*ARGS, *extra, *SLOW_FROM_EPOCH_2, "--resume", "auto"],
+                                    framework, sig)
     assert proc.returncode == EXIT_PREEMPTED, output[-3000:]
     stopped = metrics(broken)["preempted"]
     print(f"{framework}: {stopped}; job exited {seconds:.2f} s after the signal")

@@ -18,9 +18,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "slurm" / "train.sbatch"
 TIMEOUT = 600
-# ~1 s per epoch: long enough to signal mid-epoch.
 DRILL = ["--dataset", "synthetic", "--synthetic-samples", "6000", "--epochs", "3", "-k", "2",
          "--warmup-epochs", "1"]
+# 4,800 training samples / (2 ranks x 16 x k=2) = 75 optimizer steps per epoch; the drilled
+# job's steps from epoch 2 on take >= 0.04 s each (epoch 2 >= 3 s), so a signal sent 0.3 s
+# after epoch 1 is recorded lands in epoch 2 on any machine. The math is unchanged.
+SLOW_FROM_EPOCH_2 = ["--fault-slow-from", "75:0.04"]
 
 
 def run(argv, env, cwd, check=True):
@@ -106,7 +109,10 @@ def drill(env, tmp_path, framework, sig, requeue):
     ref, out = tmp_path / "reference", tmp_path / "drill"
     job = submit(env, tmp_path, ref, *args)
     assert wait_state(env, job, {"COMPLETED", "FAILED", "CANCELLED"}) == ("COMPLETED", 0)
-    job = submit(env, tmp_path, out, *args, *([] if requeue else ["--no-requeue"]))
+    # Steps from epoch 2 on take >= 0.04 s (75 steps an epoch: >= 3 s), so the signal lands in
+    # epoch 2 on any machine (test_preemption.SLOW_FROM_EPOCH_2).
+    job = submit(env, tmp_path, out, *args, *SLOW_FROM_EPOCH_2,
+                 *([] if requeue else ["--no-requeue"]))
     deadline = time.monotonic() + TIMEOUT
     while not (out / "metrics.json").exists():  # epoch 1 is done
         assert time.monotonic() < deadline and job_state(env, job)[0] in ("PENDING", "RUNNING")

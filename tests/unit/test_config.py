@@ -80,3 +80,21 @@ def test_data_dir_and_log_every_are_checked_before_any_work(tmp_path):
                     output_dir=str(tmp_path)).validate()
     with pytest.raises(ConfigError, match="--log-every must be a whole number >= 1; got 0"):
         TrainConfig(log_every=0, output_dir=str(tmp_path)).validate()
+
+
+@pytest.mark.parametrize("value", ["5", "x:1", "3:-1", "3:61", "3:abc", "-1:0.5", "3:nan"])
+def test_fault_slow_from_must_be_step_and_seconds(tmp_path, value):
+    with pytest.raises(ConfigError, match=f"--fault-slow-from must be STEP:SECONDS .*{value!r}"):
+        cfg(tmp_path, fault_slow_from=value).validate()
+
+
+def test_fault_slow_from_sleeps_from_its_step_on(tmp_path, monkeypatch):
+    from hvdtrain import runtime
+    c = cfg(tmp_path, fault_slow_from="75:0.04").validate()
+    assert c.slow_fault() == (75, 0.04) and cfg(tmp_path).slow_fault() is None
+    slept = []
+    monkeypatch.setattr(runtime.time, "sleep", slept.append)
+    for step in (0, 74, 75, 200):
+        runtime.slow_step(c.slow_fault(), step)
+    runtime.slow_step(None, 500)
+    assert slept == [0.04, 0.04]

@@ -183,3 +183,21 @@ def test_a_new_world_size_starts_with_an_empty_accumulation_group():
     hk.set_micro_batch_count(optimizer, 8, reset_groups=True)
     assert hk.micro_batch_count(optimizer) == 8
     assert all(np.abs(value(a)).sum() == 0 for a in accumulators)
+
+
+def test_slow_steps_sleeps_before_the_last_micro_batch_of_each_step_from_its_step(monkeypatch):
+    from hvdtrain import runtime
+    from hvdtrain.keras.trainer_callbacks import SlowSteps
+    slept = []
+    monkeypatch.setattr(runtime, "slow_step", lambda slow, step: slept.append(step)
+                        if step >= slow[0] else None)
+    # k=2, 6 micro-batches (3 steps) per epoch, a fit resumed 2 micro-batches into epoch 1.
+    cb = SlowSteps((2, 0.5), k=2, micro_per_epoch=6, offset=2)
+    cb.on_epoch_begin(1)
+    for batch in range(4):  # micro-batches 8..11 of the run: steps 4 and 5 end at 9 and 11
+        cb.on_train_batch_begin(batch)
+    cb.on_epoch_end(1)
+    cb.on_epoch_begin(2)
+    for batch in range(6):  # micro-batches 12..17: steps 6, 7, 8
+        cb.on_train_batch_begin(batch)
+    assert slept == [4, 5, 6, 7, 8]
