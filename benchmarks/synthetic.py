@@ -25,11 +25,30 @@ import timeit
 
 import numpy as np
 
+MODELS = ("mnist", "cnn", "dense", "gpt")  # hvdtrain.{torch,keras}.models.BENCH_MODELS
+
+
+def synthetic_batch(model: str, batch_size: int, image_size: int, channels_last: bool):
+    """One random batch ``(x, y)`` as NumPy arrays for ``model``: images ``(B, C, S, S)`` (or
+    channels-last) float32 and labels ``(B,)``; for ``gpt`` token ids ``(B, 64)`` and next-token
+    targets ``(B, 64)`` (int64)."""
+    rng = np.random.default_rng(0)
+    if model == "gpt":
+        from hvdtrain.torch.models import GPT_CONTEXT, GPT_VOCAB
+        return (rng.integers(0, GPT_VOCAB, (batch_size, GPT_CONTEXT)),
+                rng.integers(0, GPT_VOCAB, (batch_size, GPT_CONTEXT)))
+    channels, side = (1, 28) if model == "mnist" else (3, image_size)
+    shape = (batch_size, side, side, channels) if channels_last else (batch_size, channels, side,
+                                                                      side)
+    return rng.standard_normal(shape, dtype=np.float32), rng.integers(0, 10, batch_size)
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--framework", choices=("torch", "keras"), default="torch")
-    p.add_argument("--model", choices=("cnn", "dense"), default="cnn")
+    p.add_argument("--model", choices=MODELS, default="cnn",
+                   help="mnist: hvdtrain train's MNIST CNN (28x28x1); cnn, dense: 3xSxS images; "
+                        "gpt: a 3.3 M-parameter transformer LM, a sample is 64 tokens")
     p.add_argument("--mode", choices=("hvdtrain", "plain", "single", "ddp"), default="hvdtrain",
                    help="ddp: PyTorch DistributedDataParallel (Gloo), launch with torchrun")
     p.add_argument("--batch-size", type=int, default=32, help="local batch")
@@ -39,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--num-batches-per-iter", type=int, default=10)
     p.add_argument("--num-iters", type=int, default=5)
     p.add_argument("--json-out", help="rank 0 writes the result JSON here")
+    p.add_argument("--jit-compile", default="false", choices=("auto", "true", "false"),
+                   help="Keras: model.compile's jit_compile (XLA on the TensorFlow backend)")
     p.add_argument("--threads", type=int, help="--mode single: intra-op threads (default: all)")
     p.add_argument("--timeline-allreduces", action="store_true",
                    help="count gradient all-reduces in Horovod's timeline over the timed batches")
@@ -91,13 +112,14 @@ def torch_setup(args):
         model = bench_model(args.model, image_size=args.image_size)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         model, optimizer = ht.distribute(model, optimizer, backward_passes_per_step=k)
-    data = torch.randn(args.batch_size, 3, args.image_size, args.image_size)
-    target = torch.randint(0, 10, (args.batch_size,))
+    x, y = synthetic_batch(args.model, args.batch_size, args.image_size, channels_last=False)
+    data, target = torch.from_numpy(x), torch.from_numpy(y).reshape(-1)
 
     def step():
         # One optimizer step = k micro-batches (each of the local batch).
         for _ in range(k):
-            loss = F.cross_entropy(model(data), target) / k
+            out = model(data)
+            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), target) / k
             loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -146,12 +168,10 @@ def keras_setup(args):
         model = bench_model(args.model, image_size=args.image_size)
         model, optimizer = hk.distribute(model, keras.optimizers.SGD(0.01, momentum=0.9),
                                          backward_passes_per_step=k)
-    model.compile(optimizer=optimizer, jit_compile=False,
+    jit = {"auto": "auto", "true": True, "false": False}[args.jit_compile]
+    model.compile(optimizer=optimizer, jit_compile=jit,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((args.batch_size, args.image_size, args.image_size, 3),
-                            dtype=np.float32)
-    y = rng.integers(0, 10, args.batch_size)
+    x, y = synthetic_batch(args.model, args.batch_size, args.image_size, channels_last=True)
 
     class Same(keras.utils.PyDataset):
         """The same synthetic batch forever (as Horovod's synthetic benchmarks)."""

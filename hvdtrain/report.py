@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hvdtrain import __version__, guard, runtime
+from hvdtrain import __version__, guard, runtime, tuning
 from hvdtrain.files import write_json
 from hvdtrain.tensorboard import Board
 
@@ -73,6 +73,8 @@ def run_header(framework: str, cfg, info, train_samples: int, test_samples: int,
                                                                               info.size, k))
     if warning and info.rank == 0:
         log.warning("warning: %s", warning)
+    if info.horovod_settings:
+        log.info("Horovod settings: %s", tuning.describe_settings(info.horovod_settings))
     return {"framework": framework, "dataset": cfg.dataset, "size": info.size,
             "hosts": info.hosts, "local_batch": cfg.batch_size, "backward_passes_per_step": k,
             "global_batch": cfg.global_batch(info.size), "base_lr": cfg.lr, "scaled_lr": scaled,
@@ -80,6 +82,7 @@ def run_header(framework: str, cfg, info, train_samples: int, test_samples: int,
             "steps_per_epoch": steps_per_epoch, "train_samples": train_samples,
             "test_samples": test_samples, "threads_per_rank": info.threads,
             "device": info.device, "precision": cfg.precision,
+            "horovod_settings": info.horovod_settings,
             "config": cfg.to_dict(), "versions": dict(versions),
             # Filled in by the trainer where it applies: the checkpoint resumed from, optimizer
             # steps skipped for non-finite losses (None: not checked), whether every rank

@@ -181,14 +181,19 @@ class RankInfo:
         hosts: hosts in the job as Horovod sees them (``hvd.cross_size()``).
         device: where this rank computes: ``"cpu"`` or ``"cuda:N"`` (N = the GPU this rank was
             pinned to, its ``local_rank``; for Keras the physical GPU made visible to TensorFlow).
+        horovod_settings: Horovod's runtime settings in force and who chose them
+            (:func:`hvdtrain.tuning.rank_settings`).
     """
-    __slots__ = ("rank", "local_rank", "size", "local_size", "threads", "seed", "hosts", "device")
+    __slots__ = ("rank", "local_rank", "size", "local_size", "threads", "seed", "hosts", "device",
+                 "horovod_settings")
 
     def __init__(self, rank: int, local_rank: int, size: int, local_size: int, threads: int,
-                 seed: int, hosts: int = 1, device: str = "cpu"):
+                 seed: int, hosts: int = 1, device: str = "cpu",
+                 horovod_settings: dict | None = None):
         self.rank, self.local_rank, self.size = rank, local_rank, size
         self.local_size, self.threads, self.seed, self.hosts = local_size, threads, seed, hosts
         self.device = device
+        self.horovod_settings = dict(horovod_settings or {})
 
     @property
     def is_root(self) -> bool:

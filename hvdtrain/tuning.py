@@ -1,10 +1,13 @@
-"""Launch tuning: the machine-specific settings ``hvdtrain launch`` adds to a job for speed.
+"""Tuning: the machine-specific settings that make Horovod fast, chosen at launch and at start-up.
 
 :func:`visible_gpus` and :func:`launch_tuning` decide the one machine-specific MPI setting
-hvdtrain adds (``mpi_yield_when_idle``): on for CPU jobs, off where the launching host has GPUs.
-:func:`horovod_knobs` turns ``--fusion-threshold-mb``, ``--cycle-time-ms`` and ``--autotune``
-into Horovod's environment variables. Framework-free; the launchers' argv builders that take
-these settings are in :mod:`hvdtrain.hostfile` (and :mod:`hvdtrain.slurm` for srun).
+``hvdtrain launch`` adds (``mpi_yield_when_idle``): on for CPU jobs, off where the launching host
+has GPUs. :func:`horovod_knobs` turns ``--fusion-threshold-mb``, ``--cycle-time-ms`` and
+``--autotune`` into Horovod's environment variables. :func:`rank_settings` is what every rank's
+``init()`` applies before ``hvd.init()``, whatever launched it (``horovodrun``, ``mpirun``,
+``srun``, ``hvdtrain launch``): the same rule for ranks whose user set nothing. Framework-free;
+the launchers' argv builders that take these settings are in :mod:`hvdtrain.hostfile` (and
+:mod:`hvdtrain.slurm` for srun).
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import MutableMapping
 
 # `hvdtrain launch --yield-when-idle` values (see launch_tuning).
 YIELD_MODES = ("auto", "on", "off")
@@ -123,7 +127,7 @@ def horovod_knobs(fusion_threshold_mb: int | None = None, cycle_time_ms: float |
                   autotune: bool = False) -> dict[str, str]:
     """Horovod's performance settings as environment variables (read by ``hvd.init()``):
     ``HOROVOD_FUSION_THRESHOLD`` (bytes; tensors are fused into buffers of up to this size
-    before an all-reduce, default 64 MiB), ``HOROVOD_CYCLE_TIME`` (ms Horovod's background thread
+    before an all-reduce, default 128 MiB), ``HOROVOD_CYCLE_TIME`` (ms Horovod's background thread
     waits to batch requests), ``HOROVOD_AUTOTUNE``
     (Bayesian search of those settings while training).
 
@@ -142,3 +146,60 @@ def horovod_knobs(fusion_threshold_mb: int | None = None, cycle_time_ms: float |
     if autotune:
         env["HOROVOD_AUTOTUNE"] = "1"
     return env
+
+
+# What rank_settings may choose, with Horovod's / Open MPI's own default when nothing is set
+# (Horovod >= 0.21: cycle time 1 ms, fusion threshold 128 MiB; horovod/horovod#2468).
+RANK_SETTING_DEFAULTS = {"HOROVOD_CYCLE_TIME": "1", "HOROVOD_FUSION_THRESHOLD": str(128 * 2**20),
+                         "OMPI_MCA_" + YIELD_MCA: "0"}
+# The rule for CPU ranks, measured on 2-core hosts (README, "Distributing vs one process").
+CPU_RANK_SETTINGS = {
+    "HOROVOD_CYCLE_TIME": (
+        "0.1", "CPU ranks: Horovod's background thread negotiates every cycle, and where the "
+        "all-reduce cannot overlap the backward pass (Keras applies all gradients at once; short "
+        "steps) the 1 ms default cycle is latency added to every step and made run-to-run speed "
+        "bimodal; 0.1 ms measured faster and steadier"),
+    "OMPI_MCA_" + YIELD_MCA: (
+        "1", "CPU ranks: each rank's compute threads take its share of the cores, and an MPI rank "
+        "that busy-polls while it waits steals them"),
+}
+
+
+def rank_settings(on_gpu: bool, env: MutableMapping[str, str] | None = None) -> dict[str, dict]:
+    """Choose Horovod's runtime settings for this rank where the user set none, and put them into
+    ``env`` before ``hvd.init()`` (which reads ``HOROVOD_*``, and ``MPI_Init`` inside it the
+    ``OMPI_MCA_*`` variables). A variable already set, by the user, ``mpirun -x`` or
+    ``hvdtrain launch``, always wins and is left as it is.
+
+    The rule: CPU ranks get :data:`CPU_RANK_SETTINGS` (cycle time 0.1 ms instead of 1 ms, idle
+    MPI ranks yield their core). GPU ranks keep Horovod's defaults: there the compute runs on the
+    GPU, the all-reduce overlaps the backward pass, and nothing was measured here that says
+    otherwise (``hvdtrain launch --cycle-time-ms`` or the variables set them).
+
+    Args:
+        on_gpu: this rank computes on a GPU.
+        env: the environment to read and fill in; defaults to ``os.environ``.
+
+    Returns:
+        ``{name: {"value": str, "by": "user" | "hvdtrain" | "default", "why": str}}`` for each
+        name in :data:`RANK_SETTING_DEFAULTS`: what applies and who chose it, for the run header
+        and ``metrics.json``.
+    """
+    env = os.environ if env is None else env
+    chosen = {}
+    for name, default in RANK_SETTING_DEFAULTS.items():
+        if env.get(name, "").strip():
+            chosen[name] = {"value": env[name], "by": "user", "why": "set in the environment"}
+        elif not on_gpu and name in CPU_RANK_SETTINGS:
+            value, why = CPU_RANK_SETTINGS[name]
+            env[name] = value
+            chosen[name] = {"value": value, "by": "hvdtrain", "why": why}
+        else:
+            chosen[name] = {"value": default, "by": "default",
+                            "why": "GPU ranks keep the default" if on_gpu else "the default"}
+    return chosen
+
+
+def describe_settings(settings: dict[str, dict]) -> str:
+    """One line for the run header: ``HOROVOD_CYCLE_TIME=0.1 (hvdtrain), ...``."""
+    return ", ".join(f"{name}={s['value']} ({s['by']})" for name, s in settings.items())

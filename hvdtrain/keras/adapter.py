@@ -32,9 +32,10 @@ import keras
 import numpy as np
 from keras import ops
 
-from hvdtrain import runtime, schedule
+from hvdtrain import runtime, schedule, tuning
 from hvdtrain.accumulation import check_distribute_args
 from hvdtrain.keras import _backend as B
+from hvdtrain.keras import xla
 from hvdtrain.keras.optimizer import (NonFiniteGuard, WarmupSchedule, _Allreduce, _LossScaleHooks,
                                       inner, zero_accumulators)
 
@@ -79,6 +80,11 @@ def init(seed: int = 42, threads: int | None = None, device: str = "auto") -> ru
         ValueError: ``device="cuda"`` without a GPU, or fewer GPUs than ranks on this host.
     """
     hvd = B.hvd
+    if B.NAME == "tensorflow":
+        gpu_count = len(B.tf.config.list_physical_devices("GPU"))
+    else:
+        gpu_count = B.torch.cuda.device_count() if B.torch.cuda.is_available() else 0
+    settings = tuning.rank_settings(on_gpu=device == "cuda" or (device == "auto" and gpu_count > 0))
     hvd.init()
     threads = runtime.thread_budget(hvd.local_size()) if threads is None else int(threads)
     if B.NAME == "tensorflow":
@@ -112,7 +118,8 @@ def init(seed: int = 42, threads: int | None = None, device: str = "auto") -> ru
     hosts = runtime.count_hosts(hvd.local_rank(), hvd.cross_size(),
                                 lambda values: allreduce_sums(values, name="hvdtrain.hosts"))
     return runtime.remember_rank_info(runtime.RankInfo(
-        hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size(), threads, seed, hosts, where))
+        hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size(), threads, seed, hosts, where,
+        settings))
 
 
 def rank_info() -> runtime.RankInfo:
@@ -252,8 +259,11 @@ def distribute(model: keras.Model, optimizer: keras.optimizers.Optimizer, *,
        with :class:`~hvdtrain.runtime.NonFiniteLossError` (raised by the callback that
        :func:`callbacks` adds).
 
-    Compile the model with the returned optimizer and without XLA (Horovod's operations have no
-    XLA kernels): ``model.compile(optimizer=optimizer, ..., jit_compile=False)``. Embedding
+    Compile the model with the returned optimizer, with any ``jit_compile``: on the TensorFlow
+    backend ``jit_compile=True`` XLA-compiles the forward and backward pass and keeps the
+    all-reduce outside the XLA cluster (Horovod's operations have no XLA kernels;
+    :func:`hvdtrain.keras.xla.split_train_step`); ``"auto"``, Keras's default, is Keras's own
+    choice (no XLA on a CPU-only host). Embedding
     gradients (``tf.IndexedSlices``) are all-reduced dense (Horovod's ``sparse_as_dense``).
 
     Args:
@@ -345,6 +355,8 @@ def _distribute(model, optimizer, backward_passes_per_step, lr_scaling, compress
     optimizer.hvdtrain_allreduce = hooks
     if guard is not None:
         optimizer.hvdtrain_nonfinite = guard
+    if B.NAME == "tensorflow":
+        xla.split_train_step(model)
     return model, optimizer
 
 

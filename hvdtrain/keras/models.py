@@ -33,14 +33,64 @@ def build_model(num_classes: int = 10, image_size: int = 8,
     return model
 
 
+# The transformer LM's sizes, shared with the PyTorch model.
+GPT_VOCAB, GPT_CONTEXT, GPT_WIDTH, GPT_LAYERS, GPT_HEADS = 512, 64, 256, 4, 4
+
+
+class TransformerBlock(keras.layers.Layer):
+    """The pre-norm causal transformer block of :class:`hvdtrain.torch.models.TinyGPT`'s:
+    ``(B, T, W) -> (B, T, W)``."""
+
+    def __init__(self, width: int, heads: int, **kwargs):
+        super().__init__(**kwargs)
+        layers = keras.layers
+        self.ln1, self.ln2 = layers.LayerNormalization(), layers.LayerNormalization()
+        self.attn = layers.MultiHeadAttention(heads, width // heads)
+        self.up = layers.Dense(4 * width, activation="gelu")
+        self.down = layers.Dense(width)
+
+    def call(self, x):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, use_causal_mask=True)
+        return x + self.down(self.up(self.ln2(x)))
+
+
+class TinyGPT(keras.Model):
+    """:class:`hvdtrain.torch.models.TinyGPT` in Keras 3: token + position embedding, causal
+    self-attention blocks, a final LayerNormalization and an output head tied to the token
+    embedding. Token ids ``(B, T)`` -> next-token logits ``(B, T, vocab)`` (float32)."""
+
+    def __init__(self, vocab: int = GPT_VOCAB, context: int = GPT_CONTEXT, width: int = GPT_WIDTH,
+                 layers: int = GPT_LAYERS, heads: int = GPT_HEADS, **kwargs):
+        super().__init__(name="tiny_gpt", **kwargs)
+        self.tok = keras.layers.Embedding(vocab, width)
+        self.pos = keras.layers.Embedding(context, width)
+        self.blocks = [TransformerBlock(width, heads) for _ in range(layers)]
+        self.ln = keras.layers.LayerNormalization()
+
+    def call(self, idx):
+        x = self.tok(idx) + self.pos(keras.ops.arange(keras.ops.shape(idx)[1]))
+        for block in self.blocks:
+            x = block(x)
+        logits = keras.ops.matmul(self.ln(x), keras.ops.transpose(self.tok.embeddings))
+        return keras.ops.cast(logits, "float32")
+
+
 def bench_model(name: str, num_classes: int = 10, image_size: int = 32) -> keras.Model:
-    """The benchmark models of :func:`hvdtrain.torch.models.bench_model`, channels-last input
-    ``(B, S, S, 3)``; built on return.
+    """The benchmark models of :func:`hvdtrain.torch.models.bench_model`, channels-last: ``mnist``
+    ``(B, 28, 28, 1)``, ``cnn``/``dense`` ``(B, S, S, 3)``, ``gpt`` token ids ``(B, 64)``; built on
+    return.
 
     Raises:
         ValueError: unknown ``name``.
     """
     layers = keras.layers
+    if name == "mnist":
+        return build_model(num_classes, 28)
+    if name == "gpt":
+        model = TinyGPT()
+        model(keras.ops.zeros((1, GPT_CONTEXT), "int32"))  # builds every layer
+        return model
     if name == "cnn":
         body = [layers.Conv2D(32, 3, padding="same", activation="relu"),
                 layers.Conv2D(64, 3, padding="same", activation="relu"), layers.MaxPool2D(2),
@@ -50,7 +100,10 @@ def bench_model(name: str, num_classes: int = 10, image_size: int = 32) -> keras
         body = [layers.Flatten(), layers.Dense(2048, activation="relu"),
                 layers.Dense(2048, activation="relu"), layers.Dense(num_classes)]
     else:
-        raise ValueError(f"unknown benchmark model {name!r}; use cnn or dense")
+        raise ValueError(f"unknown benchmark model {name!r}; use {', '.join(BENCH_MODELS)}")
     model = keras.Sequential(body, name=f"bench_{name}")
     model.build((None, image_size, image_size, 3))
     return model
+
+
+BENCH_MODELS = ("mnist", "cnn", "dense", "gpt")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import horovod.torch as hvd
 import torch
 
-from hvdtrain import accumulation, runtime, schedule
+from hvdtrain import accumulation, runtime, schedule, tuning
 from hvdtrain.accumulation import check_distribute_args, leading_dim
 from hvdtrain.torch.buffers import _dense_layout_tensors_, convert_sync_batchnorm
 # Also importable from here (they lived here before torch/buffers.py and torch/scheduler.py);
@@ -58,8 +58,9 @@ def init(seed: int = 42, threads: int | None = None, device: str = "auto") -> ru
         ValueError: ``device="cuda"`` without a GPU, or fewer GPUs than ranks on this host
             (raised before any collective, on the ranks concerned).
     """
-    hvd.init()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    settings = tuning.rank_settings(on_gpu=device == "cuda" or (device == "auto" and gpus > 0))
+    hvd.init()
     where = runtime.choose_device(device, gpus, hvd.local_rank(), hvd.local_size())
     if where != "cpu":
         torch.cuda.set_device(torch.device(where))
@@ -71,7 +72,8 @@ def init(seed: int = 42, threads: int | None = None, device: str = "auto") -> ru
     hosts = runtime.count_hosts(hvd.local_rank(), hvd.cross_size(),
                                 lambda values: allreduce_sums(values, name="hvdtrain.hosts"))
     return runtime.remember_rank_info(runtime.RankInfo(
-        hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size(), threads, seed, hosts, where))
+        hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size(), threads, seed, hosts, where,
+        settings))
 
 
 def rank_info() -> runtime.RankInfo:

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from hvdtrain import data, runtime, schedule
+from hvdtrain import data, runtime, schedule, tuning
 from hvdtrain.config import TrainConfig
 from hvdtrain.report import ElasticReport, EpochMetrics, run_header, setup_logging
 from hvdtrain.torch import adapter, checkpoint
@@ -61,6 +61,7 @@ def fit_elastic(cfg: TrainConfig) -> dict:
         guard.DivergenceError: the run diverged (every rank, ``reported`` True; ``diverged``).
     """
     cfg = dataclasses.replace(cfg, warmup_epochs=0.0)  # recorded as run: no warmup
+    settings = tuning.rank_settings(on_gpu=False)  # elastic runs on the CPU
     hvd.init()
     seed = runtime.rank_seed(cfg.seed, hvd.rank())
     torch.manual_seed(seed)
@@ -103,7 +104,8 @@ def fit_elastic(cfg: TrainConfig) -> dict:
 
     state.register_reset_callbacks([on_reset])
     info = runtime.RankInfo(hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size(),
-                            torch.get_num_threads(), seed, hvd.cross_size())
+                            torch.get_num_threads(), seed, hvd.cross_size(),
+                            horovod_settings=settings)
     header = run_header("torch", cfg, info, len(train_set), len(x_test), len(loader),
                         {"torch": torch.__version__, "horovod": horovod.__version__})
     header["elastic"] = True

@@ -3,7 +3,7 @@ batch.
 
 Launch (parallel; each rank builds its model from a different seed, rank 0's is broadcast)::
 
-    horovodrun -np 2 python tests/parallel/keras_equivalence.py --out par.npz
+    horovodrun -np 2 python tests/parallel/keras_equivalence.py --out par.npz [--jit-compile true]
 
 Reference (one process, batch = local batch x k x size, lr x size x k, same samples per step)::
 
@@ -47,7 +47,8 @@ def parallel(args) -> None:
     optimizer = keras.optimizers.SGD(BASE_LR, momentum=MOMENTUM)
     model, optimizer = hk.distribute(model, optimizer, backward_passes_per_step=args.k,
                                      lr_scaling="linear")
-    model.compile(optimizer=optimizer, loss=LOSS, jit_compile=False)
+    jit = {"auto": "auto", "true": True, "false": False}[args.jit_compile]
+    model.compile(optimizer=optimizer, loss=LOSS, jit_compile=jit)
     x, y = dataset(args.samples)
     micro = hk.micro_batches_per_epoch(len(x), args.batch_size, info.size, args.k)
     data = hk.shard_dataset(x, y, batch_size=args.batch_size, shuffle=False, info=info)
@@ -90,6 +91,8 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--reference", action="store_true")
     p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--jit-compile", default="false", choices=("auto", "true", "false"),
+                   help="the parallel run's model.compile(jit_compile=...)")
     args = p.parse_args()
     (reference if args.reference else parallel)(args)
 

@@ -1,0 +1,120 @@
+"""Is distributing faster than not distributing? hvdtrain at np=2 against what a user would run
+instead on the same machine: one process on all cores doing the same work (same model, synthetic
+data, global batch), and PyTorch DDP (Gloo, torchrun) where it applies; plus hvdtrain at np=1
+against that plain loop (the adapter's own cost).
+
+Each variant is a real launch of ``benchmarks/synthetic.py`` the way a user starts it (plain
+``horovodrun -np 2``, no tuning flags, Open MPI's yield setting unset: whatever hvdtrain's
+``init()`` chooses is what is measured). Variants run interleaved, ``--repeats`` rounds; the
+table gives the median and the min-max of the total samples/s (a ``gpt`` sample is one sequence
+of 64 tokens), and the ratios of medians.
+
+Run::
+
+    .venv/bin/python benchmarks/vs_single.py [--repeats 5] [--readme]
+    .venv/bin/python benchmarks/vs_single.py --paths torch --models mnist --repeats 1 --iters 1
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import common
+
+# path -> (synthetic.py --framework, KERAS_BACKEND)
+PATHS = {"torch": ("torch", None), "keras-tf": ("keras", "tensorflow"),
+         "keras-torch": ("keras", "torch")}
+MODELS = ("mnist", "cnn", "dense", "gpt")
+GLOBAL_BATCH = {"mnist": 64, "cnn": 64, "dense": 64, "gpt": 16}
+SINGLE, NP1, NP2, DDP = "one process", "hvdtrain np=1", "hvdtrain np=2", "DDP np=2"
+
+
+def variants(path: str, model: str, args) -> dict[str, tuple[list[str], dict]]:
+    """``{variant: (argv, env)}`` of one path and model; each argv takes ``--json-out``."""
+    framework, backend = PATHS[path]
+    batch = GLOBAL_BATCH[model]
+
+    def synthetic(mode: str, local_batch: int) -> list[str]:
+        return [sys.executable, str(common.HERE / "synthetic.py"), "--framework", framework,
+                "--model", model, "--mode", mode, "--batch-size", str(local_batch),
+                "--jit-compile", args.jit_compile,
+                "--num-warmup-batches", str(args.warmup), "--num-batches-per-iter",
+                str(args.batches), "--num-iters", str(args.iters)]
+
+    env = common.base_env(False)  # a user's shell: no OMPI_MCA_mpi_yield_when_idle
+    if backend:
+        env["KERAS_BACKEND"] = backend
+    runs = {SINGLE: (synthetic("single", batch), env),
+            NP1: (synthetic("hvdtrain", batch), env),
+            NP2: (common.horovodrun(args.np, synthetic("hvdtrain", batch // args.np)), env)}
+    if framework == "torch":
+        runs[DDP] = ([str(common.BIN / "torchrun"), "--standalone",
+                      f"--nproc_per_node={args.np}", *synthetic("ddp", batch // args.np)[1:]],
+                     env)
+    return runs
+
+
+def summarise(samples: dict[str, list[float]]) -> dict:
+    """Median, min, max and max/min of each variant's samples/s, and the ratios of medians."""
+    stats = {name: {"median": common.median(v), "min": min(v), "max": max(v),
+                    "spread": max(v) / min(v), "runs": v} for name, v in samples.items()}
+    med = {name: s["median"] for name, s in stats.items()}
+    ratios = {"np2 / one process": med[NP2] / med[SINGLE], "np1 / one process": med[NP1] / med[SINGLE]}
+    if DDP in med:
+        ratios["np2 / DDP"] = med[NP2] / med[DDP]
+    return {"stats": stats, "ratios": ratios}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--paths", default=",".join(PATHS), help=f"of {', '.join(PATHS)}")
+    p.add_argument("--models", default=",".join(MODELS), help=f"of {', '.join(MODELS)}")
+    p.add_argument("--np", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=5, help="optimizer steps before timing")
+    p.add_argument("--batches", type=int, default=10, help="optimizer steps per timed iteration")
+    p.add_argument("--iters", type=int, default=3, help="timed iterations per run")
+    p.add_argument("--jit-compile", default="false", choices=("auto", "true", "false"),
+                   help="Keras: model.compile's jit_compile, in every Keras variant")
+    p.add_argument("--readme", action="store_true")
+    args = p.parse_args(argv)
+    paths, models = args.paths.split(","), args.models.split(",")
+    for name, allowed, chosen in (("--paths", PATHS, paths), ("--models", MODELS, models)):
+        if bad := [c for c in chosen if c not in allowed]:
+            p.error(f"{name}: unknown {', '.join(bad)}; use {', '.join(allowed)}")
+    groups = {(path, model): variants(path, model, args) for path in paths for model in models}
+    samples = {g: {name: [] for name in runs} for g, runs in groups.items()}
+    for r in range(args.repeats):  # interleaved: a drift in machine load hits every variant
+        for g, runs in groups.items():
+            for name, (argv_, env) in runs.items():
+                samples[g][name].append(common.run_json(argv_, env)["total_img_sec"])
+            print(f"round {r + 1}/{args.repeats} {g[0]} {g[1]}: " + ", ".join(
+                f"{n} {v[-1]:.0f}" for n, v in samples[g].items()), flush=True)
+    results = {f"{path}/{model}": summarise(samples[(path, model)]) for path, model in groups}
+    rows = []
+    for key, res in results.items():
+        s, ratio = res["stats"], res["ratios"]
+
+        def cell(name):
+            if name not in s:
+                return "-"
+            return f"{s[name]['median']:,.0f} ({s[name]['min']:,.0f}-{s[name]['max']:,.0f})"
+        rows.append([key, cell(SINGLE), cell(NP2), cell(DDP), f"{ratio['np2 / one process']:.2f}",
+                     f"{ratio['np2 / DDP']:.2f}" if "np2 / DDP" in ratio else "-",
+                     f"{ratio['np1 / one process']:.2f}",
+                     f"{max(v['spread'] for v in s.values()):.2f}"])
+    text = common.table(
+        ["path/model", "one process, all cores: samples/s median (min-max)", "hvdtrain np=2",
+         "DDP np=2", "np2 / one", "np2 / DDP", "np1 / one", "worst max/min"], rows)
+    text += (f"\n\nGlobal batch {', '.join(f'{m} {GLOBAL_BATCH[m]}' for m in models)}; "
+             f"{args.repeats} interleaved rounds; Keras jit_compile={args.jit_compile}.")
+    print(text)
+    path = common.save("vs_single", {"args": vars(args), "results": results})
+    print(f"wrote {path}")
+    if args.readme:
+        common.update_readme("vs_single", text)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""Horovod's runtime settings that every rank's init() chooses before hvd.init()
+(hvdtrain.tuning.rank_settings): the CPU rule, the GPU rule, and the user's variables winning."""
+from hvdtrain import tuning
+
+CYCLE, FUSION, YIELD = "HOROVOD_CYCLE_TIME", "HOROVOD_FUSION_THRESHOLD", "OMPI_MCA_mpi_yield_when_idle"
+
+
+def test_cpu_ranks_get_the_measured_rule_written_into_the_environment():
+    env = {}
+    chosen = tuning.rank_settings(on_gpu=False, env=env)
+    assert env == {CYCLE: "0.1", YIELD: "1"}
+    assert chosen[CYCLE]["by"] == chosen[YIELD]["by"] == "hvdtrain"
+    assert chosen[FUSION] == {"value": str(128 * 2**20), "by": "default", "why": "the default"}
+    assert "busy-polls" in chosen[YIELD]["why"] and "1 ms default" in chosen[CYCLE]["why"]
+
+
+def test_gpu_ranks_keep_horovods_defaults():
+    env = {}
+    chosen = tuning.rank_settings(on_gpu=True, env=env)
+    assert env == {}
+    assert {name: s["value"] for name, s in chosen.items()} == tuning.RANK_SETTING_DEFAULTS
+    assert all(s["by"] == "default" for s in chosen.values())
+
+
+def test_a_variable_the_user_set_always_wins():
+    env = {CYCLE: "5", YIELD: "0", FUSION: "0"}
+    chosen = tuning.rank_settings(on_gpu=False, env=env)
+    assert env == {CYCLE: "5", YIELD: "0", FUSION: "0"}  # untouched
+    assert [chosen[n]["value"] for n in (CYCLE, YIELD, FUSION)] == ["5", "0", "0"]
+    assert all(s["by"] == "user" for s in chosen.values())
+    # An empty variable counts as unset.
+    env = {CYCLE: " "}
+    assert tuning.rank_settings(on_gpu=False, env=env)[CYCLE]["by"] == "hvdtrain"
+    assert env[CYCLE] == "0.1"
+
+
+def test_the_header_line_names_each_setting_and_who_chose_it():
+    line = tuning.describe_settings(tuning.rank_settings(on_gpu=False, env={CYCLE: "2"}))
+    assert line == (f"{CYCLE}=2 (user), {FUSION}={128 * 2**20} (default), {YIELD}=1 (hvdtrain)")
