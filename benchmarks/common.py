@@ -48,9 +48,11 @@ def _version(dist: str) -> str:
 
 
 def base_env(yield_when_idle: bool) -> dict:
-    """The environment for a run: this venv first on PATH; Open MPI's yield setting on or
-    explicitly off (horovodrun's default), whatever the caller's shell had."""
-    env = dict(os.environ)
+    """The environment for a run: this venv first on PATH, no ``HOROVOD_*`` settings from the
+    caller's shell; Open MPI's yield setting on, or unset (then each rank's hvdtrain ``init()``
+    chooses, :func:`hvdtrain.tuning.rank_settings`; a plain Horovod loop gets Open MPI's
+    default, off)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     env.pop("OMPI_MCA_mpi_yield_when_idle", None)

@@ -13,6 +13,7 @@ import compare
 import scaling
 import scaling_rule
 import trainer
+import vs_single
 
 
 def main() -> None:
@@ -23,7 +24,8 @@ def main() -> None:
                          "(ranks per host >= cores).")
     for name, module in (("scaling", scaling), ("allreduce", allreduce),
                          ("accumulation", accumulation), ("compare", compare),
-                         ("trainer", trainer), ("scaling_rule", scaling_rule)):
+                         ("trainer", trainer), ("scaling_rule", scaling_rule),
+                         ("vs_single", vs_single)):
         t0 = time.perf_counter()
         print(f"== {name}", flush=True)
         module.main(["--readme"])

@@ -110,7 +110,17 @@ def main(argv=None) -> dict:
              f"{args.repeats} interleaved rounds; Keras jit_compile={args.jit_compile}.")
     print(text)
     path = common.save("vs_single", {"args": vars(args), "results": results})
-    print(f"wrote {path}")
+    png = common.RESULTS / "vs_single.png"
+
+    def draw(ax):
+        names = list(results)
+        ax.barh(names, [results[n]["ratios"]["np2 / one process"] for n in names])
+        ax.axvline(1.0, color="black", linewidth=0.8)
+        ax.axvline(0.95, color="grey", linestyle="--", linewidth=0.8)
+        ax.set_xlabel(f"hvdtrain np={args.np} / one process on all cores (samples/s, medians)")
+        ax.set_title("Distributing vs one process, same global batch")
+    common.plot(png, draw)
+    print(f"wrote {path} and {png}")
     if args.readme:
         common.update_readme("vs_single", text)
     return results

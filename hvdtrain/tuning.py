@@ -180,16 +180,25 @@ def rank_settings(on_gpu: bool, env: MutableMapping[str, str] | None = None) -> 
         on_gpu: this rank computes on a GPU.
         env: the environment to read and fill in; defaults to ``os.environ``.
 
+    With ``HOROVOD_AUTOTUNE`` set, Horovod's own search tunes the ``HOROVOD_*`` settings it was
+    not given, so none is set here. An ``OMPI_MCA_*`` variable also overrides a value from an
+    Open MPI ``mca-params.conf`` file; set the variable to keep the file's value.
+
     Returns:
-        ``{name: {"value": str, "by": "user" | "hvdtrain" | "default", "why": str}}`` for each
-        name in :data:`RANK_SETTING_DEFAULTS`: what applies and who chose it, for the run header
-        and ``metrics.json``.
+        ``{name: {"value": str, "by": "user" | "hvdtrain" | "default" | "autotune", "why":
+        str}}`` for each name in :data:`RANK_SETTING_DEFAULTS`: what applies and who chose it,
+        for the run header and ``metrics.json`` (:func:`settings_in_effect` after
+        ``hvd.init()``).
     """
     env = os.environ if env is None else env
+    autotune = env.get("HOROVOD_AUTOTUNE", "").strip() not in ("", "0")
     chosen = {}
     for name, default in RANK_SETTING_DEFAULTS.items():
         if env.get(name, "").strip():
             chosen[name] = {"value": env[name], "by": "user", "why": "set in the environment"}
+        elif autotune and name.startswith("HOROVOD_"):
+            chosen[name] = {"value": default, "by": "autotune",
+                            "why": "HOROVOD_AUTOTUNE searches it while training, from the default"}
         elif not on_gpu and name in CPU_RANK_SETTINGS:
             value, why = CPU_RANK_SETTINGS[name]
             env[name] = value
@@ -198,6 +207,16 @@ def rank_settings(on_gpu: bool, env: MutableMapping[str, str] | None = None) -> 
             chosen[name] = {"value": default, "by": "default",
                             "why": "GPU ranks keep the default" if on_gpu else "the default"}
     return chosen
+
+
+def settings_in_effect(settings: dict[str, dict], mpi: bool) -> dict[str, dict]:
+    """:func:`rank_settings`'s record after ``hvd.init()``: Open MPI's ``OMPI_MCA_*`` settings
+    apply only where MPI runs the job (``hvd.mpi_enabled()``); under the Gloo controller
+    (``horovodrun --gloo``, elastic runs) they are marked ``"by": "n/a"``."""
+    if mpi:
+        return settings
+    return {name: ({**s, "by": "n/a", "why": "not used: the Gloo controller runs the job, no MPI"}
+                   if name.startswith("OMPI_MCA_") else s) for name, s in settings.items()}
 
 
 def describe_settings(settings: dict[str, dict]) -> str:

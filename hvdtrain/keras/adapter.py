@@ -86,6 +86,7 @@ def init(seed: int = 42, threads: int | None = None, device: str = "auto") -> ru
         gpu_count = B.torch.cuda.device_count() if B.torch.cuda.is_available() else 0
     settings = tuning.rank_settings(on_gpu=device == "cuda" or (device == "auto" and gpu_count > 0))
     hvd.init()
+    settings = tuning.settings_in_effect(settings, hvd.mpi_enabled())
     threads = runtime.thread_budget(hvd.local_size()) if threads is None else int(threads)
     if B.NAME == "tensorflow":
         tf = B.tf
@@ -263,7 +264,7 @@ def distribute(model: keras.Model, optimizer: keras.optimizers.Optimizer, *,
     backend ``jit_compile=True`` XLA-compiles the forward and backward pass and keeps the
     all-reduce outside the XLA cluster (Horovod's operations have no XLA kernels;
     :func:`hvdtrain.keras.xla.split_train_step`); ``"auto"``, Keras's default, is Keras's own
-    choice (no XLA on a CPU-only host). Embedding
+    choice (no XLA on a CPU-only host; the same split where it picks XLA). Embedding
     gradients (``tf.IndexedSlices``) are all-reduced dense (Horovod's ``sparse_as_dense``).
 
     Args:

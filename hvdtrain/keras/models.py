@@ -44,7 +44,9 @@ class TransformerBlock(keras.layers.Layer):
     def __init__(self, width: int, heads: int, **kwargs):
         super().__init__(**kwargs)
         layers = keras.layers
-        self.ln1, self.ln2 = layers.LayerNormalization(), layers.LayerNormalization()
+        # epsilon as torch.nn.LayerNorm's (Keras's default is 1e-3)
+        self.ln1 = layers.LayerNormalization(epsilon=1e-5)
+        self.ln2 = layers.LayerNormalization(epsilon=1e-5)
         self.attn = layers.MultiHeadAttention(heads, width // heads)
         self.up = layers.Dense(4 * width, activation="gelu")
         self.down = layers.Dense(width)
@@ -66,7 +68,7 @@ class TinyGPT(keras.Model):
         self.tok = keras.layers.Embedding(vocab, width)
         self.pos = keras.layers.Embedding(context, width)
         self.blocks = [TransformerBlock(width, heads) for _ in range(layers)]
-        self.ln = keras.layers.LayerNormalization()
+        self.ln = keras.layers.LayerNormalization(epsilon=1e-5)
 
     def call(self, idx):
         x = self.tok(idx) + self.pos(keras.ops.arange(keras.ops.shape(idx)[1]))

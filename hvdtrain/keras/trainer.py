@@ -382,7 +382,7 @@ def _fit(cfg: TrainConfig, info) -> dict:
             slow = ([SlowSteps(cfg.slow_fault(), k, micro_per_epoch, done)]
                     if cfg.fault_slow_from else [])
             model.fit(dataset, initial_epoch=initial, epochs=end, steps_per_epoch=steps,
-                      callbacks=[*callbacks, epoch_end, preemption, points, *slow],
+                      callbacks=[*callbacks, epoch_end, *slow, preemption, points],
                       verbose=1 if (info.is_root and cfg.progress) else 0)
             if preemption.stopped:
                 _preempted(state, model, epoch_end, signals)

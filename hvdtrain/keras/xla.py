@@ -8,7 +8,9 @@ compilation fail (``tf2xla conversion failed ... horovod_grouped_allreduce``). W
 the gradients) are one XLA-compiled function, and the step around it, which all-reduces the
 gradients and applies them, stays an ordinary ``tf.function``: the collective is outside the XLA
 cluster, the arithmetic inside it. ``jit_compile="auto"`` (Keras's default) and ``False`` are
-left as Keras makes them (on a CPU-only host ``"auto"`` means no XLA).
+left as Keras makes them: on a CPU-only host ``"auto"`` means no XLA; where Keras resolves
+``"auto"`` to XLA (a GPU visible to TensorFlow) the model's ``jit_compile`` is True and the split
+applies.
 """
 from __future__ import annotations
 
@@ -29,15 +31,29 @@ def split_train_step(model: keras.Model) -> None:
 
     Args:
         model: the distributed ``keras.Model`` (any input and output shapes).
+
+    Raises:
+        ValueError: (when ``fit`` builds the function) ``jit_compile`` is True and the model's
+            class has its own ``train_step``, which this cannot split.
     """
     make_keras_train_function = model.make_train_function
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    own_step = type(model).train_step is not TensorFlowTrainer.train_step
 
     def make_train_function(force: bool = False):
         if model.train_function is not None and not force:
             return model.train_function
         if not model.jit_compile:
             return make_keras_train_function(force=force)
+        if own_step:
+            raise ValueError(
+                f"{type(model).__name__} has its own train_step and was compiled with "
+                "jit_compile=True: XLA cannot compile the Horovod all-reduce inside the "
+                "optimizer's apply. Compile with jit_compile=False, or put your forward and "
+                "backward pass in a tf.function(jit_compile=True) inside train_step and call "
+                "optimizer.apply_gradients outside it")
         model.train_step = _train_step(model)  # read once, when Keras builds the function
+        model.hvdtrain_xla_split = True  # what the tests read back
         model.jit_compile = False  # the outer step (with the all-reduce): plain tf.function
         try:
             make_keras_train_function(force=True)

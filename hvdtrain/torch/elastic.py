@@ -63,6 +63,7 @@ def fit_elastic(cfg: TrainConfig) -> dict:
     cfg = dataclasses.replace(cfg, warmup_epochs=0.0)  # recorded as run: no warmup
     settings = tuning.rank_settings(on_gpu=False)  # elastic runs on the CPU
     hvd.init()
+    settings = tuning.settings_in_effect(settings, hvd.mpi_enabled())
     seed = runtime.rank_seed(cfg.seed, hvd.rank())
     torch.manual_seed(seed)
     torch.set_num_threads(runtime.thread_budget(hvd.local_size()))

@@ -60,7 +60,8 @@ def parallel(args) -> None:
     if info.rank == 0:
         spread = max(float(np.abs(w - weights[0]).max()) for w in weights)
         np.savez(args.out, weights=weights[0], steps=counter.micro_batches // args.k,
-                 rank_spread=spread, size=info.size)
+                 rank_spread=spread, size=info.size, jit_compile=bool(model.jit_compile),
+                 xla_split=bool(getattr(model, "hvdtrain_xla_split", False)))
 
 
 def reference(args) -> None:

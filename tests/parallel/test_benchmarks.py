@@ -116,3 +116,20 @@ def test_scaling_rule_tiny_reads_each_runs_metrics(tmp_path):
         assert r["fraction"] == pytest.approx(r["global_batch"] / r["train_samples"])
         assert 0 <= r["final_test_accuracy"] <= 1 and r["would_stop"] is None
     assert "divergence check would stop it" in out
+
+
+def test_vs_single_tiny(tmp_path):
+    # Every path runs the transformer LM (the newest model) once: one process, hvdtrain np=1 and
+    # np=2 under plain horovodrun, and DDP for PyTorch.
+    data, out = bench(tmp_path, "vs_single.py", "--models", "gpt", "--repeats", "1",
+                      "--warmup", "1", "--batches", "2", "--iters", "1")
+    results = data["results"]
+    assert sorted(results) == ["keras-tf/gpt", "keras-torch/gpt", "torch/gpt"]
+    for key, res in results.items():
+        stats, ratios = res["stats"], res["ratios"]
+        assert set(stats) >= {"one process", "hvdtrain np=1", "hvdtrain np=2"}
+        assert ("DDP np=2" in stats) == key.startswith("torch/")
+        assert ratios["np2 / one process"] == pytest.approx(
+            stats["hvdtrain np=2"]["median"] / stats["one process"]["median"])
+        assert all(len(s["runs"]) == 1 and s["median"] > 0 for s in stats.values())
+    assert "np2 / one" in out and "torch/gpt" in out

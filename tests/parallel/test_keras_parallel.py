@@ -39,6 +39,8 @@ def test_keras_jit_compile_default_and_true_train_like_the_reference(tmp_path, j
     run(script("keras_equivalence.py") + ["--reference", "--world-size", "2", "--out", str(ref),
                                           *args], env=keras_env("tensorflow"))
     par, ref = np.load(par), np.load(ref)
+    # true: the split step was built; auto: Keras resolves it to no XLA on this CPU-only host.
+    assert bool(par["jit_compile"]) == bool(par["xla_split"]) == (jit == "true")
     assert int(par["steps"]) == int(ref["steps"]) == 24
     assert float(par["rank_spread"]) == 0.0
     diff = float(np.abs(par["weights"] - ref["weights"]).max())

@@ -14,11 +14,12 @@ CYCLE, YIELD = "HOROVOD_CYCLE_TIME", "OMPI_MCA_mpi_yield_when_idle"
 def test_plain_horovodrun_gets_the_cpu_rule_and_the_users_variable_wins(tmp_path, framework):
     import subprocess
     env = job_env()
-    env.pop(YIELD, None)  # a user's shell: nothing set but their own cycle time
+    env.pop(YIELD, None)  # a user's shell: nothing set but their own fusion threshold
     env.pop(CYCLE, None)
     env["HOROVOD_FUSION_THRESHOLD"] = str(32 * 2**20)
     proc = subprocess.run(horovodrun(2, "hvdtrain", "train", "--framework", framework, "--epochs",
-                                     "1", "--no-progress", "--output-dir", str(tmp_path)),
+                                     "1", "--no-progress", "--device", "cpu", "--output-dir",
+                                     str(tmp_path)),
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     settings = json.loads((tmp_path / "metrics.json").read_text())["horovod_settings"]

@@ -201,3 +201,20 @@ def test_slow_steps_sleeps_before_the_last_micro_batch_of_each_step_from_its_ste
     for batch in range(6):  # micro-batches 12..17: steps 6, 7, 8
         cb.on_train_batch_begin(batch)
     assert slept == [4, 5, 6, 7, 8]
+
+
+def test_jit_compile_true_with_a_users_own_train_step_is_refused_with_what_to_do():
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("the XLA split is for Keras's TensorFlow backend")
+
+    class Custom(keras.Sequential):
+        def train_step(self, data):  # a user's own step
+            return super().train_step(data)
+
+    hk.init(seed=0)
+    model = Custom(build_model().layers)
+    model.build((None, 8, 8, 1))
+    model, optimizer = hk.distribute(model, keras.optimizers.SGD(0.01))
+    model.compile(optimizer=optimizer, loss=LOSS, jit_compile=True)
+    with pytest.raises(ValueError, match="has its own train_step .* jit_compile=False"):
+        model.fit(X, Y, batch_size=16, epochs=1, verbose=0)

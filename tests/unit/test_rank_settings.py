@@ -37,3 +37,18 @@ def test_a_variable_the_user_set_always_wins():
 def test_the_header_line_names_each_setting_and_who_chose_it():
     line = tuning.describe_settings(tuning.rank_settings(on_gpu=False, env={CYCLE: "2"}))
     assert line == (f"{CYCLE}=2 (user), {FUSION}={128 * 2**20} (default), {YIELD}=1 (hvdtrain)")
+
+
+def test_autotune_keeps_horovods_settings_for_its_search():
+    env = {"HOROVOD_AUTOTUNE": "1"}
+    chosen = tuning.rank_settings(on_gpu=False, env=env)
+    assert CYCLE not in env and env[YIELD] == "1"
+    assert chosen[CYCLE]["by"] == chosen[FUSION]["by"] == "autotune"
+
+
+def test_under_gloo_the_open_mpi_setting_is_marked_not_used():
+    chosen = tuning.rank_settings(on_gpu=False, env={})
+    assert tuning.settings_in_effect(chosen, mpi=True) == chosen
+    gloo = tuning.settings_in_effect(chosen, mpi=False)
+    assert gloo[YIELD]["by"] == "n/a" and "Gloo" in gloo[YIELD]["why"]
+    assert gloo[CYCLE] == chosen[CYCLE]
