@@ -59,9 +59,9 @@ def summarise(samples: dict[str, list[float]]) -> dict:
     stats = {name: {"median": common.median(v), "min": min(v), "max": max(v),
                     "spread": max(v) / min(v), "runs": v} for name, v in samples.items()}
     med = {name: s["median"] for name, s in stats.items()}
-    ratios = {"np2 / one process": med[NP2] / med[SINGLE], "np1 / one process": med[NP1] / med[SINGLE]}
-    if DDP in med:
-        ratios["np2 / DDP"] = med[NP2] / med[DDP]
+    pairs = {"np2 / one process": (NP2, SINGLE), "np1 / one process": (NP1, SINGLE),
+             "np2 / DDP": (NP2, DDP)}
+    ratios = {name: med[a] / med[b] for name, (a, b) in pairs.items() if a in med and b in med}
     return {"stats": stats, "ratios": ratios}
 
 
@@ -76,13 +76,17 @@ def main(argv=None) -> dict:
     p.add_argument("--iters", type=int, default=3, help="timed iterations per run")
     p.add_argument("--jit-compile", default="false", choices=("auto", "true", "false"),
                    help="Keras: model.compile's jit_compile, in every Keras variant")
+    p.add_argument("--variants", default=",".join((SINGLE, NP1, NP2, DDP)),
+                   help="which runs, comma-separated (a ratio needs both of its runs)")
     p.add_argument("--readme", action="store_true")
     args = p.parse_args(argv)
+    wanted = args.variants.split(",")
     paths, models = args.paths.split(","), args.models.split(",")
     for name, allowed, chosen in (("--paths", PATHS, paths), ("--models", MODELS, models)):
         if bad := [c for c in chosen if c not in allowed]:
             p.error(f"{name}: unknown {', '.join(bad)}; use {', '.join(allowed)}")
-    groups = {(path, model): variants(path, model, args) for path in paths for model in models}
+    groups = {(path, model): {n: r for n, r in variants(path, model, args).items() if n in wanted}
+              for path in paths for model in models}
     samples = {g: {name: [] for name in runs} for g, runs in groups.items()}
     for r in range(args.repeats):  # interleaved: a drift in machine load hits every variant
         for g, runs in groups.items():
@@ -99,9 +103,10 @@ def main(argv=None) -> dict:
             if name not in s:
                 return "-"
             return f"{s[name]['median']:,.0f} ({s[name]['min']:,.0f}-{s[name]['max']:,.0f})"
-        rows.append([key, cell(SINGLE), cell(NP2), cell(DDP), f"{ratio['np2 / one process']:.2f}",
-                     f"{ratio['np2 / DDP']:.2f}" if "np2 / DDP" in ratio else "-",
-                     f"{ratio['np1 / one process']:.2f}",
+        def r(name):
+            return f"{ratio[name]:.2f}" if name in ratio else "-"
+        rows.append([key, cell(SINGLE), cell(NP2), cell(DDP), r("np2 / one process"),
+                     r("np2 / DDP"), r("np1 / one process"),
                      f"{max(v['spread'] for v in s.values()):.2f}"])
     text = common.table(
         ["path/model", "one process, all cores: samples/s median (min-max)", "hvdtrain np=2",
@@ -114,7 +119,7 @@ def main(argv=None) -> dict:
 
     def draw(ax):
         names = list(results)
-        ax.barh(names, [results[n]["ratios"]["np2 / one process"] for n in names])
+        ax.barh(names, [results[n]["ratios"].get("np2 / one process", 0.0) for n in names])
         ax.axvline(1.0, color="black", linewidth=0.8)
         ax.axvline(0.95, color="grey", linestyle="--", linewidth=0.8)
         ax.set_xlabel(f"hvdtrain np={args.np} / one process on all cores (samples/s, medians)")

@@ -343,7 +343,8 @@ def _distribute(model, optimizer, backward_passes_per_step, lr_scaling, compress
     # Under a loss-scale optimizer only finite gradients reach the inner optimizer: the global
     # check happens before it (_LossScaleHooks), which also feeds the guard.
     hooks = _Allreduce(owner, compression, float(gradient_predivide_factor),
-                       guard if owner is optimizer else None, B.hvd.rank(), B.hvd.size())
+                       guard if owner is optimizer else None, B.hvd.rank(), B.hvd.size(),
+                       elastic=not broadcast)
     if owner is not optimizer:
         optimizer.hvdtrain_loss_scale = _LossScaleHooks(optimizer, guard, B.hvd.rank(),
                                                         B.hvd.size())

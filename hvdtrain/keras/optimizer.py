@@ -176,9 +176,12 @@ class _Allreduce:
     """
 
     def __init__(self, optimizer, compression: str, predivide: float,
-                 guard: NonFiniteGuard | None, rank: int, size: int):
+                 guard: NonFiniteGuard | None, rank: int, size: int, elastic: bool = False):
         self.opt, self.compression, self.predivide = optimizer, compression, predivide
         self.guard, self.rank, self.size = guard, rank, size
+        # One rank, for good (not elastic, where workers may join): the average over ranks is
+        # the tensor itself, so the step makes no collective (np=1 costs what the plain loop does).
+        self.alone = size == 1 and not elastic
         self.preempt: PreemptFlags | None = None  # set before the step is traced (the trainer)
         cls = type(optimizer)
         self._clip, self._decay = cls._clip_gradients, cls._apply_weight_decay
@@ -200,8 +203,8 @@ class _Allreduce:
             extra = [B.native(flags)]
         if self.preempt is not None:
             extra.append(B.native(ops.cast(self.preempt.requested, dense[0].dtype)))
-        reduced = B.grouped_average(dense + extra, self.compression, self.predivide,
-                                    name="hvdtrain.gradients")
+        reduced = dense + extra if self.alone else B.grouped_average(
+            dense + extra, self.compression, self.predivide, name="hvdtrain.gradients")
         if self.preempt is not None:
             summed = ops.cast(reduced[-1], "float32") * float(self.size)
             self.preempt.agreed.assign(ops.maximum(self.preempt.agreed, summed))

@@ -7,7 +7,7 @@ CYCLE, FUSION, YIELD = "HOROVOD_CYCLE_TIME", "HOROVOD_FUSION_THRESHOLD", "OMPI_M
 
 def test_cpu_ranks_get_the_measured_rule_written_into_the_environment():
     env = {}
-    chosen = tuning.rank_settings(on_gpu=False, env=env)
+    chosen = tuning.rank_settings(on_gpu=False, size=2, env=env)
     assert env == {CYCLE: "0.1", YIELD: "1"}
     assert chosen[CYCLE]["by"] == chosen[YIELD]["by"] == "hvdtrain"
     assert chosen[FUSION] == {"value": str(128 * 2**20), "by": "default", "why": "the default"}
@@ -16,7 +16,7 @@ def test_cpu_ranks_get_the_measured_rule_written_into_the_environment():
 
 def test_gpu_ranks_keep_horovods_defaults():
     env = {}
-    chosen = tuning.rank_settings(on_gpu=True, env=env)
+    chosen = tuning.rank_settings(on_gpu=True, size=2, env=env)
     assert env == {}
     assert {name: s["value"] for name, s in chosen.items()} == tuning.RANK_SETTING_DEFAULTS
     assert all(s["by"] == "default" for s in chosen.values())
@@ -24,31 +24,40 @@ def test_gpu_ranks_keep_horovods_defaults():
 
 def test_a_variable_the_user_set_always_wins():
     env = {CYCLE: "5", YIELD: "0", FUSION: "0"}
-    chosen = tuning.rank_settings(on_gpu=False, env=env)
+    chosen = tuning.rank_settings(on_gpu=False, size=2, env=env)
     assert env == {CYCLE: "5", YIELD: "0", FUSION: "0"}  # untouched
     assert [chosen[n]["value"] for n in (CYCLE, YIELD, FUSION)] == ["5", "0", "0"]
     assert all(s["by"] == "user" for s in chosen.values())
     # An empty variable counts as unset.
     env = {CYCLE: " "}
-    assert tuning.rank_settings(on_gpu=False, env=env)[CYCLE]["by"] == "hvdtrain"
+    assert tuning.rank_settings(on_gpu=False, size=2, env=env)[CYCLE]["by"] == "hvdtrain"
     assert env[CYCLE] == "0.1"
 
 
 def test_the_header_line_names_each_setting_and_who_chose_it():
-    line = tuning.describe_settings(tuning.rank_settings(on_gpu=False, env={CYCLE: "2"}))
+    line = tuning.describe_settings(tuning.rank_settings(on_gpu=False, size=2, env={CYCLE: "2"}))
     assert line == (f"{CYCLE}=2 (user), {FUSION}={128 * 2**20} (default), {YIELD}=1 (hvdtrain)")
 
 
 def test_autotune_keeps_horovods_settings_for_its_search():
     env = {"HOROVOD_AUTOTUNE": "1"}
-    chosen = tuning.rank_settings(on_gpu=False, env=env)
+    chosen = tuning.rank_settings(on_gpu=False, size=2, env=env)
     assert CYCLE not in env and env[YIELD] == "1"
     assert chosen[CYCLE]["by"] == chosen[FUSION]["by"] == "autotune"
 
 
 def test_under_gloo_the_open_mpi_setting_is_marked_not_used():
-    chosen = tuning.rank_settings(on_gpu=False, env={})
+    chosen = tuning.rank_settings(on_gpu=False, size=2, env={})
     assert tuning.settings_in_effect(chosen, mpi=True) == chosen
     gloo = tuning.settings_in_effect(chosen, mpi=False)
     assert gloo[YIELD]["by"] == "n/a" and "Gloo" in gloo[YIELD]["why"]
     assert gloo[CYCLE] == chosen[CYCLE]
+
+
+def test_one_rank_keeps_the_default_cycle_and_the_size_comes_from_the_launcher(monkeypatch):
+    env = {}
+    chosen = tuning.rank_settings(on_gpu=False, size=1, env=env)
+    assert env == {YIELD: "1"} and chosen[CYCLE]["by"] == "default"
+    assert "one rank" in chosen[CYCLE]["why"]
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    assert tuning.rank_settings(on_gpu=False, env={})[CYCLE]["value"] == "0.1"
