@@ -26,7 +26,7 @@ model = build_model()                                          # built: weights 
 optimizer = keras.optimizers.SGD(0.01, momentum=0.9)           # any Keras 3 optimizer
 model, optimizer = hk.distribute(model, optimizer, backward_passes_per_step=K,
                                  lr_scaling="linear")          # lr x size x K, rank 0's weights
-model.compile(optimizer=optimizer, metrics=["accuracy"], jit_compile=False,  # no XLA for Horovod
+model.compile(optimizer=optimizer, metrics=["accuracy"],        # any jit_compile (see below)
               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 model.fit(dataset, epochs=10, steps_per_epoch=dataset.steps_per_epoch,  # whole groups of K
           callbacks=hk.callbacks(optimizer, warmup_epochs=1,   # metric averaging + warmup
