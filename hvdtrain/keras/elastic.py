@@ -173,6 +173,7 @@ def fit_elastic(cfg: TrainConfig) -> dict:
     nonfinite_guard = optimizer.hvdtrain_nonfinite
     lr_schedule = schedule_of(optimizer)
     train_loss = TrainLoss(optimizer, 1, info.rank, cfg.fault())
+    slow = cfg.slow_fault()  # --fault-slow-from, parsed once (as the torch trainers do)
     model.compile(optimizer=optimizer, loss=train_loss, metrics=["accuracy"], jit_compile=False)
     out = Path(cfg.output_dir)
 
@@ -235,9 +236,8 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                                hvd.size())
             for first in range(0, len(mine), cfg.batch_size):
                 idx = mine[first:first + cfg.batch_size]
-                if cfg.fault_slow_from:  # the run's optimizer steps so far (k is 1 here)
-                    runtime.slow_step(cfg.slow_fault(),
-                                      int(ops.convert_to_numpy(train_loss.calls)))
+                if slow:  # the run's optimizer steps so far (k is 1 here)
+                    runtime.slow_step(slow, int(ops.convert_to_numpy(train_loss.calls)))
                 loss, accuracy = model.train_on_batch(x_train[idx], split.y_train[idx])
                 loss, accuracy = float(loss), float(accuracy)
                 finite = math.isfinite(loss)
