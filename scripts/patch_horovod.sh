@@ -11,11 +11,18 @@
 #      serve XLA-compiled GPU graphs).
 # gpu: the same, plus C++17 for the CUDA kernels (horovod/common/ops/cuda/CMakeLists.txt asks for
 #      C++11) and two includes gcc 13 needs (upstream after 0.28.1: "Fix build on gcc 13").
+# both: the Python fixes in scripts/horovod_patches/*.patch, unified diffs applied in name order
+#      with patch -p1 (each file starts with what it fixes and the upstream issue it mirrors):
+#      horovod.tensorflow with Keras 3 variables and layers, Horovod's Keras-2 callbacks under
+#      TF_USE_LEGACY_KERAS=1, zero_grad(set_to_none=...) in horovod.torch.
 # Each change is checked once made; running it again on a patched tree changes nothing. A file
 # without the expected text (not Horovod 0.28.1?) stops it with exit status 1.
 set -euo pipefail
 
 usage() { echo "usage: $0 SRC [cpu|gpu] | --list [cpu|gpu]" >&2; exit 2; }
+DIFFS=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/horovod_patches
+command -v patch >/dev/null 2>&1 ||
+  { echo "patch_horovod: needs the patch command (apt-get install patch)" >&2; exit 1; }
 
 patches() {  # patches MODE: one line per patch, "FILE<TAB>KIND<TAB>ARG<TAB>WHY"
   local t=$'\t' cxx17="PyTorch >= 2.1 needs C++17"
@@ -27,6 +34,10 @@ patches() {  # patches MODE: one line per patch, "FILE<TAB>KIND<TAB>ARG<TAB>WHY"
     echo "horovod/common/common.h${t}include${t}stdexcept${t}gcc 13"
     echo "horovod/common/group_table.h${t}include${t}string${t}gcc 13"
   fi
+  local diff
+  for diff in "$DIFFS"/*.patch; do
+    echo "$(grep -m1 '^+++ ' "$diff" | sed 's|^+++ b/||; s|[[:space:]].*||')${t}diff${t}$diff${t}$(head -n 1 "$diff")"
+  done
 }
 
 describe() {  # one readable line per patch
@@ -37,6 +48,8 @@ describe() {  # one readable line per patch
       echo "$file: set($var $from) -> set($var $to) ($why)"
     elif [ "$kind" = drop ]; then
       echo "$file: leave $arg out of the build ($why)"
+    elif [ "$kind" = diff ]; then
+      echo "scripts/horovod_patches/$(basename "$arg"): $why"
     else
       echo "$file: add #include <$arg> ($why)"
     fi
@@ -44,12 +57,21 @@ describe() {  # one readable line per patch
 }
 
 apply() {  # apply SRC: read the patches on stdin and make them in SRC
-  local src=$1 file kind arg why var from to path
+  local src=$1 file kind arg why var from to path out
   while IFS=$'\t' read -r file kind arg why; do
     path=$src/$file
     [ -f "$path" ] ||
       { echo "patch_horovod: $path: no such file (not Horovod 0.28.1's source?)" >&2; exit 1; }
-    if [ "$kind" = std ]; then
+    if [ "$kind" = diff ]; then
+      # Applied already when it reverses cleanly; else it must apply whole.
+      patch -d "$src" -p1 -R -f -s --dry-run <"$arg" >/dev/null 2>&1 && continue
+      out=$(patch -d "$src" -p1 -N -f -s --dry-run <"$arg" 2>&1) || {
+        echo "patch_horovod: $(basename "$arg") does not apply to $src (not Horovod 0.28.1?):" >&2
+        echo "$out" | sed 's/^/    /' >&2
+        exit 1
+      }
+      patch -d "$src" -p1 -N -f -s --no-backup-if-mismatch <"$arg"
+    elif [ "$kind" = std ]; then
       read -r var from to <<<"$arg"
       grep -Eq "^[[:space:]]*set\($var ($from|$to)\)" "$path" || {
         echo "patch_horovod: $path: no 'set($var $from)' to change (not Horovod 0.28.1?)" >&2

@@ -47,7 +47,8 @@ PYTHON=${PYTHON:-python3.11}
 CACHE=${HVDTRAIN_CACHE:-$HOME/.cache/hvdtrain}
 CONSTRAINTS=$ROOT/requirements/constraints.txt
 HOROVOD_VERSION=0.28.1
-PATCH_ID=cxx17-noxla-v2     # scripts/patch_horovod.sh's changes for every build (change on any edit)
+PATCH_ID=cxx17-noxla-py-v3  # scripts/patch_horovod.sh's changes for every build, its horovod_patches/
+                            # included (change on any edit)
 GPU_PATCH_ID=gpu-v1   # its further changes when torch has CUDA, and the GPU build's settings
 TF_PACKAGE=${HVDTRAIN_TF_PACKAGE:-tensorflow-cpu}
 TARGET_PYTHON=${HVDTRAIN_PYTHON:-}
@@ -317,6 +318,7 @@ apt_pkgs=()
 command -v mpirun >/dev/null 2>&1 || apt_pkgs+=(openmpi-bin)
 command -v mpicc >/dev/null 2>&1 || apt_pkgs+=(libopenmpi-dev)
 command -v ssh >/dev/null 2>&1 || apt_pkgs+=(openssh-client)
+command -v patch >/dev/null 2>&1 || apt_pkgs+=(patch)  # scripts/patch_horovod.sh
 # sshd for the multi-host tests' test hosts (tests/parallel/testhosts.py).
 [ -x /usr/sbin/sshd ] || apt_pkgs+=(openssh-server)
 
@@ -456,10 +458,14 @@ have_horovod() {
   "$PY" - "$HOROVOD_VERSION" "${with_tf:+tf}" "$mode" <<'PY' 2>/dev/null
 import sys
 import horovod, horovod.torch as ht
+import horovod.torch.optimizer as opt
 if sys.argv[2]:
-    import horovod.tensorflow
+    import horovod.tensorflow.util
+    assert hasattr(horovod.tensorflow.util, "var_ref")  # scripts/horovod_patches/01-*
 assert horovod.__version__ == sys.argv[1]
 assert ht.mpi_built() and ht.gloo_built()
+# A Horovod built before the Python patches (scripts/horovod_patches/05-*): build it again.
+assert hasattr(opt._DistributedOptimizer, "_register_late_parameters")
 if sys.argv[3] == "gpu":
     assert ht.nccl_built()
 PY

@@ -37,7 +37,8 @@ from hvdtrain.accumulation import check_distribute_args
 from hvdtrain.keras import _backend as B
 from hvdtrain.keras import xla
 from hvdtrain.keras.optimizer import (NonFiniteGuard, WarmupSchedule, _Allreduce, _LossScaleHooks,
-                                      inner, zero_accumulators)
+                                      inner, settable_learning_rate, zero_accumulators)
+from hvdtrain.keras.sharding import ShardedDataset
 
 _OPS = {"average": "average"}
 NONFINITE_MODES = ("skip", "stop")
@@ -329,15 +330,24 @@ def _distribute(model, optimizer, backward_passes_per_step, lr_scaling, compress
                              "yet (its gradient accumulators are made when it is built): pass a "
                              "new optimizer, distribute() builds it")
         owner.gradient_accumulation_steps = want
+    if getattr(model, "compiled", False) and getattr(model, "optimizer", None) is not None \
+            and model.optimizer is not optimizer:
+        raise ValueError("the model was compiled with another optimizer, which would train "
+                         "without any all-reduce: compile (again) with the optimizer that "
+                         "distribute() returns")
     base = owner._learning_rate
+    if isinstance(base, WarmupSchedule):  # saved by a distributed run and loaded (load_model)
+        base = (base.base_lr if base.base_rate is None
+                else float(ops.convert_to_numpy(base.base_rate)))
     if isinstance(base, keras.Variable):
         base = float(ops.convert_to_numpy(base))
-    elif not isinstance(base, keras.optimizers.schedules.LearningRateSchedule):
+    elif not isinstance(base, (float, keras.optimizers.schedules.LearningRateSchedule)):
         raise ValueError("the optimizer's learning_rate must be a float or a keras "
                          "LearningRateSchedule (hvdtrain composes it with the scaling and warmup)")
     lr_scaling = schedule.resolve_lr_scaling(lr_scaling, op)
     factor = schedule.scale_factor(lr_scaling, B.hvd.size(), k)
     owner.learning_rate = WarmupSchedule(base, factor, k)
+    settable_learning_rate(owner)  # Keras's LR callbacks set a float
     guard = (NonFiniteGuard(on_nonfinite, B.hvd.size() if broadcast else None)
              if on_nonfinite else None)
     # Under a loss-scale optimizer only finite gradients reach the inner optimizer: the global
@@ -359,7 +369,48 @@ def _distribute(model, optimizer, backward_passes_per_step, lr_scaling, compress
         optimizer.hvdtrain_nonfinite = guard
     if B.NAME == "tensorflow":
         xla.split_train_step(model)
+    # A model that already ran fit/evaluate keeps its compiled functions, traced before the
+    # all-reduce existed (TensorFlow backend): the next fit would train without it.
+    for name in ("train_function", "test_function", "predict_function"):
+        if getattr(model, name, None) is not None:
+            setattr(model, name, None)
+    _sharded_defaults(model)
     return model, optimizer
+
+
+def _sharded_defaults(model: keras.Model) -> None:
+    """``fit``/``evaluate`` of a distributed model given a :class:`ShardedDataset` (an endless
+    stream) without ``steps_per_epoch``/``steps`` take its epoch (``data.steps_per_epoch``)
+    instead of running forever, and a ``steps_per_execution`` that does not divide the epoch is
+    refused before any step (Keras runs whole chunks of an endless dataset: with 4 and an epoch
+    of 6 it would train 8 micro-batches an epoch). Installed on the model object by
+    :func:`distribute` (once)."""
+    if "hvdtrain_fit" in model.__dict__:
+        return
+    fit, evaluate = model.fit, model.evaluate
+
+    def epoch_of(data, steps, what):
+        if not isinstance(data, ShardedDataset):
+            return steps
+        steps = data.steps_per_epoch if steps is None else int(steps)
+        chunk = int(getattr(model, "steps_per_execution", 1) or 1)
+        if steps % chunk:
+            raise ValueError(
+                f"{what}={steps} is not a multiple of the model's steps_per_execution={chunk}: "
+                f"Keras runs whole chunks of {chunk} batches of this endless sharded dataset, "
+                f"so an epoch would run {-(-steps // chunk) * chunk}; compile with a "
+                f"steps_per_execution that divides {steps}")
+        return steps
+
+    def sharded_fit(x=None, y=None, *args, steps_per_epoch=None, **kwargs):
+        return fit(x, y, *args, steps_per_epoch=epoch_of(x, steps_per_epoch, "steps_per_epoch"),
+                   **kwargs)
+
+    def sharded_evaluate(x=None, y=None, *args, steps=None, **kwargs):
+        return evaluate(x, y, *args, steps=epoch_of(x, steps, "steps"), **kwargs)
+
+    model.hvdtrain_fit = sharded_fit
+    model.fit, model.evaluate = sharded_fit, sharded_evaluate
 
 
 def micro_batch_count(optimizer) -> int:

@@ -25,7 +25,9 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
     steps (Goyal et al. 2017, gradual warmup; :func:`hvdtrain.schedule.warmup_multiplier`).
 
     ``warmup_steps`` and the factor (``scale``) are variables: :func:`warmup` and elastic
-    training's resets change them after the step has been compiled.
+    training's resets change them after the step has been compiled. So is a float base rate
+    (``base_rate``): :meth:`set_rate` changes it (Keras's ``ReduceLROnPlateau`` and
+    ``LearningRateScheduler`` set ``optimizer.learning_rate``, which lands there).
     """
 
     def __init__(self, base_lr, factor: float, backward_passes_per_step: int = 1,
@@ -33,6 +35,9 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
         if isinstance(base_lr, dict):
             base_lr = keras.saving.deserialize_keras_object(base_lr)
         self.base_lr = base_lr
+        self.base_rate = (None if callable(base_lr) else
+                          keras.Variable(float(base_lr), dtype="float32", trainable=False,
+                                         name="hvdtrain_base_lr"))
         self.backward_passes_per_step = int(backward_passes_per_step)
         self.scale = keras.Variable(float(factor), dtype="float32", trainable=False,
                                     name="hvdtrain_lr_scale")
@@ -46,7 +51,8 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
 
     def __call__(self, iterations):
         step = ops.cast(ops.floor_divide(iterations, self.backward_passes_per_step), "float32")
-        base = self.base_lr(step) if callable(self.base_lr) else self.base_lr
+        base = (self.base_lr(step) if self.base_rate is None
+                else ops.convert_to_tensor(self.base_rate))
         w = ops.convert_to_tensor(self.warmup_steps)
         f = ops.convert_to_tensor(self.scale)
         ramp = (1.0 + (f - 1.0) * step / ops.maximum(w, 1e-12)) / f
@@ -55,22 +61,75 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step ``step`` (Python float)."""
-        base = self.base_lr
-        if callable(base):
-            base = float(ops.convert_to_numpy(base(float(step))))
+        if self.base_rate is None:
+            base = float(ops.convert_to_numpy(self.base_lr(float(step))))
+        else:
+            base = float(ops.convert_to_numpy(self.base_rate))
         warmup_steps = float(ops.convert_to_numpy(self.warmup_steps))
         warmup_epochs, per_epoch = (warmup_steps, 1) if warmup_steps else (0.0, 1)
         return float(base) * self.factor * schedule.warmup_multiplier(
             step, self.factor, warmup_epochs, per_epoch)
 
+    def set_rate(self, rate: float, iterations) -> None:
+        """Make the rate of the current step ``rate``, keeping the warmup's shape: the base rate
+        becomes ``rate / (factor x warmup multiplier now)`` (so ``rate x 0.1`` divides every
+        later step's rate by 10, and a rate set to its current value changes nothing).
+
+        Args:
+            rate: the learning rate from now on, as ``optimizer.learning_rate`` reads it (scaled
+                for the world size, in the warmup's current proportion).
+            iterations: Keras's micro-batch counter (``optimizer.iterations`` of the inner
+                optimizer's ``_iterations``).
+
+        Raises:
+            TypeError: the base rate is a ``LearningRateSchedule`` (as Keras refuses a float
+                for an optimizer created with a schedule).
+        """
+        if self.base_rate is None:
+            raise TypeError("this optimizer's base learning rate is a LearningRateSchedule, so "
+                            "its rate is not settable (as in Keras): give distribute() an "
+                            "optimizer created with a float learning_rate to set it from a "
+                            "callback")
+        now = float(ops.convert_to_numpy(self(iterations)))
+        base = float(ops.convert_to_numpy(self.base_rate))
+        self.base_rate.assign(float(rate) * base / now if now else float(rate))
+
     def get_config(self):
-        base = self.base_lr
+        base = self.base_lr if self.base_rate is None else float(
+            ops.convert_to_numpy(self.base_rate))
         if isinstance(base, keras.optimizers.schedules.LearningRateSchedule):
             base = keras.saving.serialize_keras_object(base)
         return {"base_lr": base, "factor": self.factor,
                 "backward_passes_per_step": self.backward_passes_per_step,
                 "warmup_steps": float(ops.convert_to_numpy(self.warmup_steps))}
 
+
+
+def _set_learning_rate(optimizer, value) -> None:
+    """``optimizer.learning_rate = value`` on a distributed optimizer: a float or a variable
+    sets the current rate through :meth:`WarmupSchedule.set_rate`; anything else goes to
+    Keras's own setter."""
+    lr = optimizer.__dict__.get("_learning_rate")
+    if isinstance(lr, WarmupSchedule) and not callable(value):
+        lr.set_rate(float(ops.convert_to_numpy(value)), optimizer._iterations)
+        return
+    keras.optimizers.Optimizer.learning_rate.fset(optimizer, value)
+
+
+def settable_learning_rate(optimizer) -> None:
+    """Let Keras code set ``optimizer.learning_rate`` to a number after :func:`distribute`
+    replaced the rate with a :class:`WarmupSchedule` (Keras's setter refuses a number once the
+    rate is a schedule: "This optimizer was created with a `LearningRateSchedule`"). The
+    optimizer's class becomes a subclass of its own (same name and module, so saved models load
+    it as the original class) whose setter goes through :func:`_set_learning_rate`."""
+    cls = type(optimizer)
+    if cls.__dict__.get("hvdtrain_settable_rate"):
+        return
+    optimizer.__class__ = type(cls.__name__, (cls,), {
+        "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+        "hvdtrain_settable_rate": True,
+        "learning_rate": property(cls.learning_rate.fget, _set_learning_rate,
+                                  doc=cls.learning_rate.__doc__)})
 
 
 def schedule_of(optimizer) -> WarmupSchedule:

@@ -19,6 +19,7 @@ Typical use (launched with ``horovodrun -np 2 python train.py``)::
 from __future__ import annotations
 
 import horovod.torch as hvd
+import horovod.torch.optimizer as _hvd_optimizer
 import torch
 
 from hvdtrain import accumulation, runtime, schedule, tuning
@@ -31,6 +32,7 @@ from hvdtrain.torch.scheduler import Warmup, warmup  # noqa: F401
 
 _COMPRESSIONS = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
 _OPS = {"average": hvd.Average, "adasum": hvd.Adasum}
+_distribute_calls = 0  # distribute() calls so far in this process: each model's tensor names
 
 
 def init(seed: int = 42, threads: int | None = None, device: str = "auto") -> runtime.RankInfo:
@@ -309,6 +311,28 @@ def _scale_groups(optimizer: torch.optim.Optimizer, factor: float) -> None:
         group["hvdtrain_lr_scale"] = factor
 
 
+def _horovod_wrapped(optimizer) -> bool:
+    """True for an optimizer that ``hvd.DistributedOptimizer`` returned (directly, or through
+    :func:`distribute`): Horovod builds its class by copying the methods of its own wrapper
+    (not ``step``, which torch.optim re-wraps for its profiler)."""
+    method = type(optimizer).__dict__.get("set_backward_passes_per_step")
+    return method is not None and method in (
+        _hvd_optimizer._DistributedOptimizer.__dict__["set_backward_passes_per_step"],
+        _hvd_optimizer._DistributedAdasumOptimizer.__dict__["set_backward_passes_per_step"])
+
+
+def tensor_prefix(call: int) -> str:
+    """The prefix of the parameter names that the ``call``-th :func:`distribute` in a process
+    (0-based) gives Horovod: ``"model0."``, ``"model1."`` ..., so that all-reduces are named
+    ``allreduce.model1.<parameter name>``. Two models' parameters, both called ``weight``,
+    ``bias`` ..., then never share a name in flight (Horovod refuses that: "Requested to
+    allreduce ... a tensor with the same name as another tensor that is currently being
+    processed"), nor do they with a model wrapped by Horovod's own ``DistributedOptimizer``
+    (``allreduce.<parameter name>``). Every rank must call :func:`distribute` for the same models
+    in the same order, as for any collective."""
+    return f"model{call}."
+
+
 def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                backward_passes_per_step: int = 1, lr_scaling: str | None = None,
                compression: str = "none", op: str = "average", root_rank: int = 0,
@@ -332,6 +356,12 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     3. Keeps the optimizer's existing per-parameter state (Horovod's wrapper alone would start
        with none), then broadcasts parameters, buffers and optimizer state from ``root_rank``
        (:func:`broadcast_state`).
+
+    Several models (a GAN's generator and discriminator, a teacher and a student): call
+    ``distribute`` once per model and optimizer, in the same order on every rank; each call's
+    gradients are all-reduced under names of their own (:func:`tensor_prefix`). In a GAN's
+    generator step, freeze the discriminator (``D.requires_grad_(False)``) as with DDP, or its
+    optimizer finds all-reduces in flight at its next ``zero_grad``.
 
     With ``op="adasum"`` (Maleki et al. 2020) Horovod's Adasum optimizer combines each rank's
     *update* inside ``step()``; it has no ``synchronize()``/``skip_synchronize()``, so call
@@ -363,9 +393,17 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         ValueError: an unknown ``lr_scaling``/``compression``/``op``, ``"linear"`` with
             ``"adasum"``, k < 1, an optimizer that does not hold exactly the model's parameters,
             a scheduler built before ``distribute`` while the rate is scaled, ``"adasum"`` on a
-            number of ranks that is not a power of 2, or ``sync_batchnorm=True`` for a model
-            not on a GPU (the message says what to change).
+            number of ranks that is not a power of 2, ``sync_batchnorm=True`` for a model
+            not on a GPU, or an optimizer that is already distributed (returned by
+            ``distribute`` or ``hvd.DistributedOptimizer``); the message says what to change.
     """
+    global _distribute_calls
+    if _horovod_wrapped(optimizer):
+        raise ValueError(
+            "this optimizer is already distributed (it came from hvdtrain.torch.distribute() or "
+            "hvd.DistributedOptimizer): call distribute() once per model, with the "
+            "torch.optim optimizer you built, and train with the optimizer it returns (to "
+            "change backward_passes_per_step on it: optimizer.set_backward_passes_per_step(k))")
     check_distribute_args(backward_passes_per_step, compression, op, _COMPRESSIONS, _OPS)
     size = hvd.size()
     if op == "adasum" and size & (size - 1):
@@ -390,7 +428,9 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                 "evaluating and saving")
         convert_sync_batchnorm(model)
     _scale_groups(optimizer, factor)
-    named = [(n, p) for n, p in model.named_parameters() if id(p) in opt_params]
+    prefix = tensor_prefix(_distribute_calls)
+    _distribute_calls += 1
+    named = [(prefix + n, p) for n, p in model.named_parameters() if id(p) in opt_params]
     wrapped = hvd.DistributedOptimizer(
         optimizer, named_parameters=named,
         compression=_DenseLayout(_COMPRESSIONS[compression]),

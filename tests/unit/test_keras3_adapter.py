@@ -128,7 +128,10 @@ def test_the_distributed_model_saves_as_a_keras_file_a_user_can_load(tmp_path):
     model.save_weights(tmp_path / "model.weights.h5")
     loaded = keras.models.load_model(tmp_path / "model.keras")
     assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), loaded.get_weights()))
-    assert type(loaded.optimizer) is type(optimizer)
+    # The distributed optimizer is an SGD (of a subclass whose learning_rate Keras's callbacks can
+    # set); the file holds a plain SGD.
+    assert isinstance(optimizer, keras.optimizers.SGD)
+    assert type(loaded.optimizer) is keras.optimizers.SGD
     plain = build_model()
     plain.load_weights(tmp_path / "model.weights.h5")
     assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), plain.get_weights()))

@@ -141,7 +141,7 @@ def test_cuda_torch_and_nvcc_give_an_nccl_build_for_the_gpus_present(tmp_path):
     env, nccl = _gpu_env(tmp_path)
     plan = _plan(env)
     assert plan["mode"] == "gpu" and "has CUDA 13.0 and nvcc is" in plan["why"]
-    assert plan["key"] == ("horovod-0.28.1-torch2.11.0-notf-cp312-cxx17-noxla-v2"
+    assert plan["key"] == ("horovod-0.28.1-torch2.11.0-notf-cp312-cxx17-noxla-py-v3"
                            "-cu130-cc90-nccl2.27.3-gpu-v1")
     build = plan["env"]
     assert build["HOROVOD_GPU_OPERATIONS"] == "NCCL"
@@ -252,7 +252,7 @@ def test_without_nvcc_a_cuda_torch_gets_a_cpu_build_with_a_notice(tmp_path):
     assert plan["mode"] == "cpu" and "no nvcc" in plan["notice"]
     assert "HOROVOD_GPU_OPERATIONS" not in plan["env"]
     # torch's CUDA still makes Horovod compile its CUDA kernels: CUDA patches, own key.
-    assert plan["key"] == "horovod-0.28.1-torch2.11.0-notf-cp312-cxx17-noxla-v2-cu130-nonccl-gpu-v1"
+    assert plan["key"] == "horovod-0.28.1-torch2.11.0-notf-cp312-cxx17-noxla-py-v3-cu130-nonccl-gpu-v1"
     assert any("CMAKE_CUDA_STANDARD" in p for p in plan["patch"])
 
     proc = _setup(_env(tmp_path, nvcc=None, HVDTRAIN_PYTHON=py, HVDTRAIN_GPU=1), "--plan")
@@ -280,13 +280,14 @@ def test_default_cpu_plan_keeps_the_cpu_key_and_build(tmp_path):
     _fake_python(tmp_path / "venv", CPU_FACTS)
     plan = _plan(_env(tmp_path, VENV=tmp_path / "venv"))
     assert plan["mode"] == "cpu" and plan["why"] == "torch 2.13.0+cpu is a CPU build"
-    assert plan["key"] == "horovod-0.28.1-torch2.13.0-tf2.21.0-cp311-cxx17-noxla-v2"
+    assert plan["key"] == "horovod-0.28.1-torch2.13.0-tf2.21.0-cp311-cxx17-noxla-py-v3"
     cores = len(os.sched_getaffinity(0))
     assert plan["env"] == {"CMAKE_POLICY_VERSION_MINIMUM": "3.5", "HOROVOD_WITH_PYTORCH": "1",
                            "HOROVOD_WITH_TENSORFLOW": "1", "HOROVOD_WITHOUT_MXNET": "1",
                            "HOROVOD_WITH_MPI": "1", "HOROVOD_WITH_GLOO": "1",
                            "HOROVOD_CPU_OPERATIONS": "MPI", "MAKEFLAGS": f"-j{cores}"}
-    assert len(plan["patch"]) == 3 and plan["run"] == []
+    diffs = list((ROOT / "scripts" / "horovod_patches").glob("*.patch"))
+    assert len(plan["patch"]) == 3 + len(diffs) and plan["run"] == []
     assert "horovod/tensorflow/CMakeLists.txt: leave xla_mpi_ops.cc out" in plan["patch"][2]
 
 
@@ -302,7 +303,7 @@ def test_default_plan_on_this_checkouts_venv():
     torch_v = md.version("torch").split("+")[0]
     tf_v = md.version("tensorflow-cpu")
     py = "cp%d%d" % sys.version_info[:2]
-    assert f"key={CPU_KEY_PREFIX}{torch_v}-tf{tf_v}-{py}-cxx17-noxla-v2\n" in proc.stdout
+    assert f"key={CPU_KEY_PREFIX}{torch_v}-tf{tf_v}-{py}-cxx17-noxla-py-v3\n" in proc.stdout
     assert "mode=cpu\n" in proc.stdout
 
 
@@ -349,10 +350,29 @@ def _fake_source(root: Path) -> Path:
             'list(APPEND TF_SOURCES "${PROJECT_SOURCE_DIR}/horovod/tensorflow/mpi_ops.cc")\n'
             'list(APPEND TF_SOURCES "${PROJECT_SOURCE_DIR}/horovod/tensorflow/xla_mpi_ops.cc")\n'),
     }
+    files.update(_python_stubs())
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
     return root
+
+
+def _python_stubs() -> dict[str, str]:
+    """For each Python file that scripts/horovod_patches/*.patch change, the lines those diffs
+    expect before them (their context and removed lines, hunk after hunk): patch finds each hunk
+    there as in Horovod's real file."""
+    stubs: dict[str, list[str]] = {}
+    for diff in sorted((ROOT / "scripts" / "horovod_patches").glob("*.patch")):
+        name = None
+        for line in diff.read_text().splitlines():
+            if line.startswith("+++ "):
+                name = line.split()[1].split("/", 1)[1]
+                stubs.setdefault(name, [])
+            elif name and line.startswith((" ", "-")) and not line.startswith("--- "):
+                stubs[name].append(line[1:])
+            elif name and line == "":  # an empty context line
+                stubs[name].append("")
+    return {name: "\n".join(lines) + "\n" for name, lines in stubs.items()}
 
 
 CHECK_BUILD = """Horovod v0.28.1:
@@ -389,7 +409,7 @@ def test_gpu_setup_end_to_end_with_stand_ins(tmp_path):
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("[setup] GPU build (torch 2.11.0+cu130 has CUDA 13.0 and nvcc is ")
     assert "NCCL 2.27.3 from the nvidia-nccl-cu13 2.27.3 wheel, compute capabilities 90" in lines[0]
-    key = "horovod-0.28.1-torch2.11.0-notf-cp312-cxx17-noxla-v2-cu130-cc90-nccl2.27.3-gpu-v1"
+    key = "horovod-0.28.1-torch2.11.0-notf-cp312-cxx17-noxla-py-v3-cu130-cc90-nccl2.27.3-gpu-v1"
     assert lines[1].startswith("[setup] building Horovod 0.28.1 with NCCL") and key in lines[1]
     assert lines[3] == ("[setup] Horovod built with frameworks PyTorch; controllers MPI, Gloo; "
                         "tensor operations NCCL, MPI, Gloo")
@@ -452,6 +472,9 @@ def test_gpu_patches_on_a_source_tree(tmp_path):
         "#include <stdexcept>\n#include <functional>\n#include <memory>\n")
     assert (src / "horovod/common/group_table.h").read_text() == (
         "// licence\n\n#include <string>\n#include <mutex>\n#include <queue>\n")
+    # The Python diffs too, on both kinds of build.
+    assert "def zero_grad(self, set_to_none=True):" in (src / "horovod/torch/optimizer.py").read_text()
+    assert "var_ref(source)" in (src / "horovod/tensorflow/__init__.py").read_text()
     # Again on the patched tree: nothing changes.
     before = {p: p.read_text() for p in src.rglob("*") if p.is_file()}
     assert _patch(src, "gpu").returncode == 0
@@ -464,6 +487,7 @@ def test_cpu_patches_leave_the_cuda_files_alone(tmp_path):
     assert "set(CMAKE_CXX_STANDARD 17)" in (src / "horovod/torch/CMakeLists.txt").read_text()
     assert "CUDA_STANDARD 11" in (src / "horovod/common/ops/cuda/CMakeLists.txt").read_text()
     assert "<stdexcept>" not in (src / "horovod/common/common.h").read_text()
+    assert "_KERAS2_BATCH_NORM" in (src / "horovod/tensorflow/sync_batch_norm.py").read_text()
 
 
 def test_patch_refuses_a_tree_that_is_not_horovod_0_28_1(tmp_path):
@@ -472,6 +496,13 @@ def test_patch_refuses_a_tree_that_is_not_horovod_0_28_1(tmp_path):
     proc = _patch(src, "gpu")
     assert proc.returncode == 1
     assert "horovod/torch/CMakeLists.txt: no 'set(CMAKE_CXX_STANDARD 14)'" in proc.stderr
+    # A Python file unlike 0.28.1's: the diff's name and what patch said.
+    src = _fake_source(tmp_path / "other")
+    (src / "horovod/torch/optimizer.py").write_text("class Elsewhere:\n    pass\n")
+    proc = _patch(src, "cpu")
+    assert proc.returncode == 1
+    assert "04-torch-zero-grad-set-to-none.patch does not apply to" in proc.stderr
+    assert "FAILED" in proc.stderr
     (src / "horovod/common/common.h").unlink()
     proc = _patch(src.parent / "nowhere", "gpu")
     assert proc.returncode == 1 and "not a directory" in proc.stderr
@@ -479,8 +510,16 @@ def test_patch_refuses_a_tree_that_is_not_horovod_0_28_1(tmp_path):
 
 def test_patch_list_names_each_change():
     listed = _patch("--list", "gpu").stdout.splitlines()
-    assert len(listed) == 6 and listed[3].startswith("horovod/common/ops/cuda/CMakeLists.txt: ")
+    diffs = sorted(p.name for p in (ROOT / "scripts" / "horovod_patches").glob("*.patch"))
+    assert len(diffs) >= 4
+    assert len(listed) == 6 + len(diffs)
+    assert listed[3].startswith("horovod/common/ops/cuda/CMakeLists.txt: ")
+    assert [line.split(":")[0] for line in listed[6:]] == [f"scripts/horovod_patches/{d}"
+                                                           for d in diffs]
+    assert ("scripts/horovod_patches/04-torch-zero-grad-set-to-none.patch: zero_grad("
+            "set_to_none=...) in horovod.torch (horovod/horovod#3405)") in listed
     cpu = _patch("--list", "cpu").stdout.splitlines()
-    assert len(cpu) == 3 and cpu[2] == ("horovod/tensorflow/CMakeLists.txt: leave xla_mpi_ops.cc "
-                                        "out of the build (TensorFlow >= 2.16 ships no XLA headers)")
+    assert len(cpu) == 3 + len(diffs) and cpu[2] == (
+        "horovod/tensorflow/CMakeLists.txt: leave xla_mpi_ops.cc out of the build (TensorFlow >= "
+        "2.16 ships no XLA headers)")
     assert _patch("--list", "tpu").returncode == 2

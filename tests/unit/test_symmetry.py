@@ -9,8 +9,9 @@ TORCH_ONLY = {"micro_batches", "MicroBatch", "Warmup"}  # the user writes the Py
 # Keras's fit accumulates inside the optimizer (Keras 3's gradient_accumulation_steps). Warmup is
 # the scheduler object warmup() returns (Keras: WarmupCallback, with WarmupSchedule inside the
 # optimizer).
-# hvd.SyncBatchNorm is PyTorch's; Horovod's TensorFlow SyncBatchNormalization is a Keras 2 layer
-# (it fails on Keras 3, DESIGN.md), so the Keras side offers sync_buffers only.
+# hvd.SyncBatchNorm is PyTorch's; Keras models take Horovod's hvd.SyncBatchNormalization layer
+# themselves (TensorFlow backend only; patched for Keras 3, scripts/horovod_patches/), so the Keras
+# side offers no converter, only sync_buffers.
 TORCH_ONLY |= {"convert_sync_batchnorm"}
 KERAS_ONLY = {"shard_dataset", "ShardedDataset", "micro_batches_per_epoch", "callbacks",
               "WarmupCallback", "WarmupSchedule", "SyncBuffersCallback",

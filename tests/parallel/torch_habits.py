@@ -1,0 +1,137 @@
+"""PyTorch and Horovod habits on hvdtrain.torch's optimizer, on real ranks: zero_grad(set_to_none=...),
+several models (each through distribute(), or one through Horovod's own DistributedOptimizer
+beside them) with gradients in one backward pass, parameters added with add_param_group() or
+unfrozen after distribute(), distribute() twice. Every trained case is compared with one process training on the global batch.
+Rank 0 writes what it saw as JSON; tests/parallel/test_existing_code.py asserts on it.
+
+Launch::
+
+    horovodrun -np 2 python tests/parallel/torch_habits.py --out result.json
+"""
+import argparse
+import json
+
+import horovod.torch as hvd
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hvdtrain.torch as ht
+
+LOCAL = 8  # samples per rank and step
+STEPS = 3
+
+
+def batches(size):
+    """The global batches, the same on every rank: STEPS x (LOCAL x size, 6) inputs, labels."""
+    gen = torch.Generator().manual_seed(7)
+    return [(torch.randn(LOCAL * size, 6, generator=gen),
+             torch.randint(0, 3, (LOCAL * size,), generator=gen)) for _ in range(STEPS)]
+
+
+def shard(x, rank):
+    return x[rank * LOCAL:(rank + 1) * LOCAL]
+
+
+def two_models():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 5), nn.Tanh()), nn.Linear(5, 3)
+
+
+def flat(*modules):
+    return torch.cat([p.detach().flatten() for m in modules for p in m.parameters()])
+
+
+def reference(size, kind, set_to_none=True):
+    """One process, the global batch, plain torch.optim: the weights after STEPS steps (for
+    ``kind="unfreeze"`` the second model is frozen in the first step)."""
+    enc, dec = two_models()
+    opt = torch.optim.SGD([*enc.parameters(), *dec.parameters()], lr=0.1 * size, momentum=0.9)
+    for step, (x, y) in enumerate(batches(size)):
+        dec.requires_grad_(not (kind == "unfreeze" and step == 0))
+        F.cross_entropy(dec(enc(x)), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+    return flat(enc, dec)
+
+
+def train(size, rank, kind, set_to_none=True):
+    """STEPS steps on this rank's shard, the two models distributed as ``kind`` says:
+    both_hvdtrain (distribute() each), beside_horovod (the second through Horovod's own
+    DistributedOptimizer), late_group (the second added with add_param_group() after
+    distribute()), unfreeze (one optimizer; the second model frozen at distribute() and in the
+    first step, then trainable). Returns (weights, what the gradients were after zero_grad)."""
+    enc, dec = two_models()
+    if kind == "unfreeze":
+        dec.requires_grad_(False)
+        opt_enc = torch.optim.SGD([*enc.parameters(), *dec.parameters()], lr=0.1, momentum=0.9)
+    else:
+        opt_enc = torch.optim.SGD(enc.parameters(), lr=0.1, momentum=0.9)
+    opt_dec = torch.optim.SGD(dec.parameters(), lr=0.1, momentum=0.9)
+    if kind == "unfreeze":
+        _, opt_enc = ht.distribute(nn.Sequential(enc, dec), opt_enc, lr_scaling="linear")
+    else:
+        enc, opt_enc = ht.distribute(enc, opt_enc, lr_scaling="linear")
+    optimizers = [opt_enc]
+    if kind == "both_hvdtrain":
+        dec, opt_dec = ht.distribute(dec, opt_dec, lr_scaling="linear")
+        optimizers.append(opt_dec)
+    elif kind == "beside_horovod":  # as a Horovod script has it
+        for group in opt_dec.param_groups:
+            group["lr"] *= size
+        hvd.broadcast_parameters(dec.state_dict(), root_rank=0)
+        optimizers.append(hvd.DistributedOptimizer(opt_dec,
+                                                   named_parameters=dec.named_parameters()))
+    elif kind == "late_group":
+        hvd.broadcast_parameters(dec.state_dict(), root_rank=0)
+        opt_enc.add_param_group({"params": list(dec.parameters()), "lr": 0.1 * size})
+    grads_after_zero = None
+    for step, (x, y) in enumerate(batches(size)):
+        if kind == "unfreeze" and step == 1:
+            dec.requires_grad_(True)
+        # One backward pass gives both models gradients: both all-reduce at once.
+        F.cross_entropy(dec(enc(shard(x, rank))), shard(y, rank)).backward()
+        for opt in optimizers:
+            opt.step()
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+        grads_after_zero = sorted({"none" if p.grad is None else
+                                   ("zeros" if not p.grad.any() else "values")
+                                   for m in (enc, dec) for p in m.parameters()})
+    return flat(enc, dec), grads_after_zero
+
+
+def distribute_twice():
+    model = nn.Linear(3, 2)
+    model, optimizer = ht.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        ht.distribute(model, optimizer)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    info = ht.init(seed=0)
+    size, rank = info.size, info.rank
+    result = {"size": size}
+    for name, kind, set_to_none in (("hvdtrain_set_to_none", "both_hvdtrain", True),
+                                    ("hvdtrain_zeros", "both_hvdtrain", False),
+                                    ("beside_horovod", "beside_horovod", True),
+                                    ("late_group", "late_group", True),
+                                    ("unfreeze", "unfreeze", True)):
+        weights, grads = train(size, rank, kind, set_to_none)
+        spread = max((w - weights).abs().max().item() for w in hvd.allgather_object(weights))
+        result[name] = {"vs_reference": (weights - reference(size, kind, set_to_none)).abs().max().item(),
+                        "rank_spread": spread, "grads_after_zero_grad": grads}
+    result["distribute_twice"] = distribute_twice()
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
