@@ -21,8 +21,21 @@ set -euo pipefail
 
 usage() { echo "usage: $0 SRC [cpu|gpu] | --list [cpu|gpu]" >&2; exit 2; }
 DIFFS=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/horovod_patches
-command -v patch >/dev/null 2>&1 ||
-  { echo "patch_horovod: needs the patch command (apt-get install patch)" >&2; exit 1; }
+# The diffs go in with patch(1), or with git apply where patch is missing (a GPU host without a
+# package registry may have one of them only).
+if command -v patch >/dev/null 2>&1; then
+  reverses() { patch -d "$1" -p1 -R -f -s --dry-run <"$2" >/dev/null 2>&1; }
+  applies() { patch -d "$1" -p1 -N -f -s --dry-run <"$2" 2>&1; }
+  apply_diff() { patch -d "$1" -p1 -N -f -s --no-backup-if-mismatch <"$2"; }
+elif command -v git >/dev/null 2>&1; then
+  reverses() { (cd "$1" && git apply -p1 -R --check "$2" >/dev/null 2>&1); }
+  applies() { (cd "$1" && git apply -p1 --check "$2" 2>&1); }
+  apply_diff() { (cd "$1" && git apply -p1 "$2"); }
+else
+  reverses() { return 1; }
+  applies() { echo "neither patch nor git is installed (apt-get install patch)"; return 1; }
+  apply_diff() { return 1; }
+fi
 
 patches() {  # patches MODE: one line per patch, "FILE<TAB>KIND<TAB>ARG<TAB>WHY"
   local t=$'\t' cxx17="PyTorch >= 2.1 needs C++17"
@@ -64,13 +77,13 @@ apply() {  # apply SRC: read the patches on stdin and make them in SRC
       { echo "patch_horovod: $path: no such file (not Horovod 0.28.1's source?)" >&2; exit 1; }
     if [ "$kind" = diff ]; then
       # Applied already when it reverses cleanly; else it must apply whole.
-      patch -d "$src" -p1 -R -f -s --dry-run <"$arg" >/dev/null 2>&1 && continue
-      out=$(patch -d "$src" -p1 -N -f -s --dry-run <"$arg" 2>&1) || {
+      reverses "$src" "$arg" && continue
+      out=$(applies "$src" "$arg") || {
         echo "patch_horovod: $(basename "$arg") does not apply to $src (not Horovod 0.28.1?):" >&2
         echo "$out" | sed 's/^/    /' >&2
         exit 1
       }
-      patch -d "$src" -p1 -N -f -s --no-backup-if-mismatch <"$arg"
+      apply_diff "$src" "$arg"
     elif [ "$kind" = std ]; then
       read -r var from to <<<"$arg"
       grep -Eq "^[[:space:]]*set\($var ($from|$to)\)" "$path" || {

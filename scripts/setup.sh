@@ -318,7 +318,8 @@ apt_pkgs=()
 command -v mpirun >/dev/null 2>&1 || apt_pkgs+=(openmpi-bin)
 command -v mpicc >/dev/null 2>&1 || apt_pkgs+=(libopenmpi-dev)
 command -v ssh >/dev/null 2>&1 || apt_pkgs+=(openssh-client)
-command -v patch >/dev/null 2>&1 || apt_pkgs+=(patch)  # scripts/patch_horovod.sh
+# scripts/patch_horovod.sh applies its diffs with patch, or git apply
+command -v patch >/dev/null 2>&1 || command -v git >/dev/null 2>&1 || apt_pkgs+=(patch)
 # sshd for the multi-host tests' test hosts (tests/parallel/testhosts.py).
 [ -x /usr/sbin/sshd ] || apt_pkgs+=(openssh-server)
 

@@ -523,3 +523,22 @@ def test_patch_list_names_each_change():
         "horovod/tensorflow/CMakeLists.txt: leave xla_mpi_ops.cc out of the build (TensorFlow >= "
         "2.16 ships no XLA headers)")
     assert _patch("--list", "tpu").returncode == 2
+
+
+def test_python_diffs_apply_with_git_where_patch_is_missing(tmp_path):
+    """A host without patch(1) (a GPU machine without a package registry) applies the diffs
+    with git apply; the result is the same tree as with patch."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for tool in ("bash", "sed", "grep", "head", "basename", "dirname", "git"):
+        (bindir / tool).symlink_to(shutil.which(tool))
+    with_git, with_patch = _fake_source(tmp_path / "git"), _fake_source(tmp_path / "patch")
+    proc = subprocess.run([str(bindir / "bash"), str(PATCH), str(with_git), "cpu"],
+                          capture_output=True, text=True, timeout=60, env={"PATH": str(bindir)})
+    assert proc.returncode == 0, proc.stderr
+    assert _patch(with_patch, "cpu").returncode == 0
+    assert {p.relative_to(with_git): p.read_text() for p in with_git.rglob("*") if p.is_file()} \
+        == {p.relative_to(with_patch): p.read_text() for p in with_patch.rglob("*")
+            if p.is_file()}
+    assert "def zero_grad(self, set_to_none=True):" in (
+        with_git / "horovod/torch/optimizer.py").read_text()
