@@ -318,6 +318,11 @@ def _distribute(model, optimizer, backward_passes_per_step, lr_scaling, compress
                          "compression='none'")
     if getattr(optimizer, "hvdtrain_lr_scale", None) is not None:
         raise ValueError("this optimizer is distributed already; give distribute() a new one")
+    if getattr(model, "compiled", False) and getattr(model, "optimizer", None) is not None \
+            and model.optimizer is not optimizer:
+        raise ValueError("the model was compiled with another optimizer, which would train "
+                         "without any all-reduce: compile (again) with the optimizer that "
+                         "distribute() returns")
     want = k if k > 1 else None
     have = owner.gradient_accumulation_steps or None
     if have != want:
@@ -330,11 +335,6 @@ def _distribute(model, optimizer, backward_passes_per_step, lr_scaling, compress
                              "yet (its gradient accumulators are made when it is built): pass a "
                              "new optimizer, distribute() builds it")
         owner.gradient_accumulation_steps = want
-    if getattr(model, "compiled", False) and getattr(model, "optimizer", None) is not None \
-            and model.optimizer is not optimizer:
-        raise ValueError("the model was compiled with another optimizer, which would train "
-                         "without any all-reduce: compile (again) with the optimizer that "
-                         "distribute() returns")
     base = owner._learning_rate
     if isinstance(base, WarmupSchedule):  # saved by a distributed run and loaded (load_model)
         base = (base.base_lr if base.base_rate is None
@@ -380,7 +380,8 @@ def _distribute(model, optimizer, backward_passes_per_step, lr_scaling, compress
 
 def _sharded_defaults(model: keras.Model) -> None:
     """``fit``/``evaluate`` of a distributed model given a :class:`ShardedDataset` (an endless
-    stream) without ``steps_per_epoch``/``steps`` take its epoch (``data.steps_per_epoch``)
+    stream) without ``steps_per_epoch``/``steps`` (or as ``validation_data`` without
+    ``validation_steps``) take its epoch (``data.steps_per_epoch``)
     instead of running forever, and a ``steps_per_execution`` that does not divide the epoch is
     refused before any step (Keras runs whole chunks of an endless dataset: with 4 and an epoch
     of 6 it would train 8 micro-batches an epoch). Installed on the model object by
@@ -403,6 +404,9 @@ def _sharded_defaults(model: keras.Model) -> None:
         return steps
 
     def sharded_fit(x=None, y=None, *args, steps_per_epoch=None, **kwargs):
+        validation = kwargs.get("validation_data")
+        if isinstance(validation, ShardedDataset) and kwargs.get("validation_steps") is None:
+            kwargs["validation_steps"] = epoch_of(validation, None, "validation_steps")
         return fit(x, y, *args, steps_per_epoch=epoch_of(x, steps_per_epoch, "steps_per_epoch"),
                    **kwargs)
 

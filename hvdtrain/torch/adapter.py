@@ -436,6 +436,12 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         compression=_DenseLayout(_COMPRESSIONS[compression]),
         backward_passes_per_step=backward_passes_per_step, op=_OPS[op],
         gradient_predivide_factor=gradient_predivide_factor)
+    # Groups added later (add_param_group) take these options: the scaled rate, as the groups
+    # above got, and all-reduce names of this call's own (Horovod's patched late parameters).
+    wrapped.defaults = {**optimizer.defaults, "hvdtrain_lr_scale": factor}
+    if "lr" in optimizer.defaults:
+        wrapped.defaults["lr"] = optimizer.defaults["lr"] * factor
+    wrapped.late_name_prefix = prefix
     # Horovod builds a new optimizer over the same param-group dicts but with empty
     # per-parameter state (momentum buffers, Adam moments, step counts), e.g. of an optimizer
     # just loaded from a checkpoint: carry it over. (load_state_dict would replace the group

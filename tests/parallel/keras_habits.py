@@ -128,10 +128,11 @@ def main() -> None:
     model, optimizer = hk.distribute(build(), keras.optimizers.SGD(0.02))
     model.compile(optimizer=optimizer, loss=LOSS)
     data_ = data()
-    model.fit(data_, epochs=1, verbose=0)
+    history = model.fit(data_, epochs=1, validation_data=data(), verbose=0)
     result["no_steps"] = {"micro_batches": hk.micro_batch_count(optimizer),
                           "steps_per_epoch": data_.steps_per_epoch,
-                          "evaluated": float(model.evaluate(data_, verbose=0))}
+                          "evaluated": float(model.evaluate(data_, verbose=0)),
+                          "val_loss": float(history.history["val_loss"][0])}
     if info.rank == 0:
         with open(args.out, "w") as f:
             json.dump(result, f)

@@ -21,11 +21,12 @@ def torch_habits(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["hvdtrain_set_to_none", "hvdtrain_zeros", "beside_horovod",
-                                  "late_group", "unfreeze"])
+                                  "late_group", "two_late_groups", "unfreeze"])
 def test_torch_habits_train_as_one_process_on_the_global_batch(torch_habits, case):
     """Two models with gradients from one backward pass: each through distribute() (zero_grad
     with set_to_none True and False), or one through Horovod's own DistributedOptimizer beside
-    hvdtrain's; a param group added with add_param_group() after distribute(); a model frozen at
+    hvdtrain's; a param group added with add_param_group() after distribute() (to each of two
+    distributed optimizers at once, without an lr: the scaled rate); a model frozen at
     distribute() and unfrozen after the first step."""
     r = torch_habits[case]
     assert r["rank_spread"] == 0.0
@@ -135,3 +136,4 @@ def test_a_sharded_dataset_without_steps_per_epoch_ends_its_epoch(keras_habits):
     r = keras_habits["no_steps"]
     assert r["micro_batches"] == r["steps_per_epoch"] == 6
     assert r["evaluated"] > 0  # evaluate(data) ended too
+    assert r["val_loss"] > 0  # and validation_data=data without validation_steps

@@ -42,17 +42,29 @@ def flat(*modules):
     return torch.cat([p.detach().flatten() for m in modules for p in m.parameters()])
 
 
+def extra_layers():
+    torch.manual_seed(1)
+    return nn.Linear(5, 5), nn.Linear(3, 3)
+
+
 def reference(size, kind, set_to_none=True):
     """One process, the global batch, plain torch.optim: the weights after STEPS steps (for
-    ``kind="unfreeze"`` the second model is frozen in the first step)."""
+    ``kind="unfreeze"`` the second model is frozen in the first step; ``"two_late_groups"``
+    has a layer more after each model)."""
     enc, dec = two_models()
-    opt = torch.optim.SGD([*enc.parameters(), *dec.parameters()], lr=0.1 * size, momentum=0.9)
+    modules = [enc, dec]
+    if kind == "two_late_groups":
+        extra_enc, extra_dec = extra_layers()
+        enc, dec = nn.Sequential(enc, extra_enc), nn.Sequential(dec, extra_dec)
+        modules = [enc, dec]
+    opt = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=0.1 * size,
+                          momentum=0.9)
     for step, (x, y) in enumerate(batches(size)):
         dec.requires_grad_(not (kind == "unfreeze" and step == 0))
         F.cross_entropy(dec(enc(x)), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=set_to_none)
-    return flat(enc, dec)
+    return flat(*modules)
 
 
 def train(size, rank, kind, set_to_none=True):
@@ -73,9 +85,16 @@ def train(size, rank, kind, set_to_none=True):
     else:
         enc, opt_enc = ht.distribute(enc, opt_enc, lr_scaling="linear")
     optimizers = [opt_enc]
-    if kind == "both_hvdtrain":
+    if kind in ("both_hvdtrain", "two_late_groups"):
         dec, opt_dec = ht.distribute(dec, opt_dec, lr_scaling="linear")
         optimizers.append(opt_dec)
+    if kind == "two_late_groups":
+        # A layer more for each model, added to its optimizer without an lr: each group gets
+        # the scaled rate, and the two groups' all-reduces names of their own.
+        extra_enc, extra_dec = extra_layers()
+        opt_enc.add_param_group({"params": list(extra_enc.parameters())})
+        opt_dec.add_param_group({"params": list(extra_dec.parameters())})
+        enc, dec = nn.Sequential(enc, extra_enc), nn.Sequential(dec, extra_dec)
     elif kind == "beside_horovod":  # as a Horovod script has it
         for group in opt_dec.param_groups:
             group["lr"] *= size
@@ -122,6 +141,7 @@ def main() -> None:
                                     ("hvdtrain_zeros", "both_hvdtrain", False),
                                     ("beside_horovod", "beside_horovod", True),
                                     ("late_group", "late_group", True),
+                                    ("two_late_groups", "two_late_groups", True),
                                     ("unfreeze", "unfreeze", True)):
         weights, grads = train(size, rank, kind, set_to_none)
         spread = max((w - weights).abs().max().item() for w in hvd.allgather_object(weights))
