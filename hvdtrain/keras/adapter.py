@@ -337,8 +337,7 @@ def _distribute(model, optimizer, backward_passes_per_step, lr_scaling, compress
         owner.gradient_accumulation_steps = want
     base = owner._learning_rate
     if isinstance(base, WarmupSchedule):  # saved by a distributed run and loaded (load_model)
-        base = (base.base_lr if base.base_rate is None
-                else float(ops.convert_to_numpy(base.base_rate)))
+        base = base.base
     if isinstance(base, keras.Variable):
         base = float(ops.convert_to_numpy(base))
     elif not isinstance(base, (float, keras.optimizers.schedules.LearningRateSchedule)):

@@ -34,7 +34,8 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
                  warmup_steps: float = 0.0):
         if isinstance(base_lr, dict):
             base_lr = keras.saving.deserialize_keras_object(base_lr)
-        self.base_lr = base_lr
+        # A schedule is called with the step; a float lives in a variable (set_rate changes it).
+        self.base_lr = base_lr if callable(base_lr) else None
         self.base_rate = (None if callable(base_lr) else
                           keras.Variable(float(base_lr), dtype="float32", trainable=False,
                                          name="hvdtrain_base_lr"))
@@ -59,12 +60,18 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
         multiplier = ops.where(step < w, ramp, ops.ones_like(ramp))
         return ops.cast(base, "float32") * f * multiplier
 
+    @property
+    def base(self):
+        """The user's base rate now: the ``LearningRateSchedule``, or the float (as
+        :meth:`set_rate` last left it)."""
+        return self.base_lr if self.base_rate is None else float(
+            ops.convert_to_numpy(self.base_rate))
+
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step ``step`` (Python float)."""
-        if self.base_rate is None:
-            base = float(ops.convert_to_numpy(self.base_lr(float(step))))
-        else:
-            base = float(ops.convert_to_numpy(self.base_rate))
+        base = self.base
+        if callable(base):
+            base = float(ops.convert_to_numpy(base(float(step))))
         warmup_steps = float(ops.convert_to_numpy(self.warmup_steps))
         warmup_epochs, per_epoch = (warmup_steps, 1) if warmup_steps else (0.0, 1)
         return float(base) * self.factor * schedule.warmup_multiplier(
@@ -95,8 +102,7 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
         self.base_rate.assign(float(rate) * base / now if now else float(rate))
 
     def get_config(self):
-        base = self.base_lr if self.base_rate is None else float(
-            ops.convert_to_numpy(self.base_rate))
+        base = self.base
         if isinstance(base, keras.optimizers.schedules.LearningRateSchedule):
             base = keras.saving.serialize_keras_object(base)
         return {"base_lr": base, "factor": self.factor,
