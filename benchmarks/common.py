@@ -50,7 +50,7 @@ def _version(dist: str) -> str:
 def base_env(yield_when_idle: bool) -> dict:
     """The environment for a run: this venv first on PATH, no ``HOROVOD_*`` settings from the
     caller's shell; Open MPI's yield setting on, or unset (then each rank's hvdtrain ``init()``
-    chooses, :func:`hvdtrain.tuning.rank_settings`; a plain Horovod loop gets Open MPI's
+    chooses, :func:`hvdtrain.launch.tuning.rank_settings`; a plain Horovod loop gets Open MPI's
     default, off)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"

@@ -36,13 +36,13 @@ def worker(args) -> None:
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-    from hvdtrain import data, runtime
+    from hvdtrain import datasets, runtime
     from hvdtrain.torch.models import build_model
 
     hvd.init()
     torch.set_num_threads(runtime.thread_budget(hvd.local_size()))
     torch.manual_seed(args.seed)
-    split = data.load("synthetic", synthetic_samples=args.samples)
+    split = datasets.load("synthetic", synthetic_samples=args.samples)
     train = TensorDataset(torch.from_numpy(split.x_train), torch.from_numpy(split.y_train))
     sampler = DistributedSampler(train, num_replicas=hvd.size(), rank=hvd.rank(), shuffle=True,
                                  seed=args.seed)

@@ -11,13 +11,13 @@ import keras
 import numpy as np
 
 import hvdtrain.keras as hk
-from hvdtrain import data
+from hvdtrain import datasets
 from hvdtrain.keras.models import build_model
 
 K = 2  # backward_passes_per_step: one all-reduce per 2 micro-batches
 
 info = hk.init(seed=0)                       # hvd.init(), threads per rank, per-rank seed
-split = data.load_digits()
+split = datasets.load_digits()
 x_train = split.x_train.transpose(0, 2, 3, 1)                  # NHWC for Keras
 dataset = hk.shard_dataset(x_train, split.y_train, batch_size=16, seed=0,
                            backward_passes_per_step=K)         # reshuffled globally each epoch

@@ -15,12 +15,12 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import hvdtrain.torch as ht
-from hvdtrain import data
+from hvdtrain import datasets
 
 NOISE = 16  # generator input size
 
 info = ht.init(seed=0)
-split = data.load_digits()
+split = datasets.load_digits()
 real = torch.from_numpy(split.x_train).flatten(1)               # (N, 64), pixels in [0, 1]
 sampler = DistributedSampler(TensorDataset(real), num_replicas=info.size, rank=info.rank,
                              shuffle=True, drop_last=True)

@@ -10,13 +10,13 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import hvdtrain.torch as ht
-from hvdtrain import data, schedule
+from hvdtrain import datasets, schedule
 from hvdtrain.torch.models import DigitsCNN
 
 K = 2  # backward_passes_per_step: one all-reduce per 2 micro-batches
 
 info = ht.init(seed=0)                       # hvd.init(), threads per rank, per-rank seed
-split = data.load_digits()
+split = datasets.load_digits()
 train = TensorDataset(torch.from_numpy(split.x_train), torch.from_numpy(split.y_train))
 sampler = DistributedSampler(train, num_replicas=info.size, rank=info.rank, shuffle=True)
 loader = DataLoader(train, batch_size=16, sampler=sampler)

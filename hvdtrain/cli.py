@@ -133,9 +133,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Print what Horovod supports here; with ``--hostfile`` also run the multi-host pre-flight
-    (:mod:`hvdtrain.preflight`). 1 when the build lacks something hvdtrain needs or a pre-flight
+    (:mod:`hvdtrain.launch.preflight`). 1 when the build lacks something hvdtrain needs or a pre-flight
     check failed; 2 on a bad hostfile."""
-    from hvdtrain import doctor
+    from hvdtrain.launch import doctor
     try:
         info = doctor.check_build()
     except RuntimeError as exc:
@@ -158,8 +158,8 @@ def _preflight(args: argparse.Namespace) -> int:
     """The pre-flight of ``doctor --hostfile`` and ``launch --check``: 0 when every check
     passed, 1 otherwise (each failure printed with its host, cause and fix), 2 on a bad
     hostfile or -np."""
-    from hvdtrain import hostfile as hf
-    from hvdtrain import preflight
+    from hvdtrain.launch import hostfile as hf
+    from hvdtrain.launch import preflight
     try:
         hosts = hf.read_hostfile(args.hostfile)
         np_ = hosts.slots if args.np is None else args.np
@@ -221,9 +221,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     import shlex
     import shutil
 
-    from hvdtrain import hostfile as hf
+    from hvdtrain.launch import hostfile as hf
     from hvdtrain.preempt import run_forwarding_signals
-    from hvdtrain.tuning import YIELD_MCA, horovod_knobs, launch_tuning, visible_gpus
+    from hvdtrain.launch.tuning import YIELD_MCA, horovod_knobs, launch_tuning, visible_gpus
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         return _fail("no command to launch; write it after '--', e.g. "
@@ -234,7 +234,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     if args.elastic:
         return _launch_elastic(args, command)
-    from hvdtrain import slurm
+    from hvdtrain.launch import slurm
     env = dict(os.environ)
     try:
         if args.hostfile:
@@ -318,7 +318,7 @@ def _launch_elastic(args: argparse.Namespace, command: list[str]) -> int:
     import shlex
     import subprocess
 
-    from hvdtrain import hostfile as hf
+    from hvdtrain.launch import hostfile as hf
     if args.launcher != "horovodrun":
         return _fail("--elastic needs --launcher horovodrun (mpirun and srun cannot add or lose "
                      "workers)")

@@ -34,7 +34,7 @@ class TrainConfig:
         framework: ``"torch"`` or ``"keras"``.
         dataset: ``"digits"`` (scikit-learn's 1,797 8x8 handwritten digits, offline, for quick
             checks), ``"mnist"`` (60,000 + 10,000 28x28 handwritten digits, cached offline:
-            :func:`hvdtrain.mnist.load_mnist`) or ``"synthetic"`` (random images and labels, for
+            :func:`hvdtrain.datasets.mnist.load_mnist`) or ``"synthetic"`` (random images and labels, for
             throughput).
         data_dir: ``--dataset mnist``: read MNIST from this directory's four IDX files (or an
             ``.npz`` with ``x_train, y_train, x_test, y_test``) instead of the cache; empty: the

@@ -24,7 +24,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hvdtrain import __version__, guard, runtime, tuning
+from hvdtrain import __version__, guard, runtime
+from hvdtrain.launch import tuning
 from hvdtrain.files import write_json
 from hvdtrain.tensorboard import Board
 

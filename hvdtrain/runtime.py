@@ -56,7 +56,7 @@ def launcher_local_size() -> int:
     if value:
         return value
     if "SLURM_PROCID" in os.environ and "HOROVOD_RANK" not in os.environ:
-        from hvdtrain.slurm import expand_tasks_per_node
+        from hvdtrain.launch.slurm import expand_tasks_per_node
         try:
             per_node = expand_tasks_per_node(os.environ.get("SLURM_STEP_TASKS_PER_NODE", ""))
             return per_node[int(os.environ.get("SLURM_NODEID", "0"))]
@@ -182,7 +182,7 @@ class RankInfo:
         device: where this rank computes: ``"cpu"`` or ``"cuda:N"`` (N = the GPU this rank was
             pinned to, its ``local_rank``; for Keras the physical GPU made visible to TensorFlow).
         horovod_settings: Horovod's runtime settings in force and who chose them
-            (:func:`hvdtrain.tuning.rank_settings`).
+            (:func:`hvdtrain.launch.tuning.rank_settings`).
     """
     __slots__ = ("rank", "local_rank", "size", "local_size", "threads", "seed", "hosts", "device",
                  "horovod_settings")

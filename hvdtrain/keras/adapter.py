@@ -32,7 +32,8 @@ import keras
 import numpy as np
 from keras import ops
 
-from hvdtrain import runtime, schedule, tuning
+from hvdtrain import runtime, schedule
+from hvdtrain.launch import tuning
 from hvdtrain.accumulation import check_distribute_args
 from hvdtrain.keras import _backend as B
 from hvdtrain.keras import xla

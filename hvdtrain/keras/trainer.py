@@ -19,7 +19,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from hvdtrain import data, preempt, runtime
+from hvdtrain import datasets, preempt, runtime
 from hvdtrain.config import TrainConfig
 from hvdtrain.files import CheckpointError
 from hvdtrain.keras import _backend, adapter, checkpoint, sharding
@@ -147,10 +147,10 @@ def _resume(cfg: TrainConfig, info, model, optimizer) -> dict:
     return meta
 
 
-def load_nhwc(cfg: TrainConfig) -> tuple[data.Split, np.ndarray, np.ndarray]:
+def load_nhwc(cfg: TrainConfig) -> tuple[datasets.Split, np.ndarray, np.ndarray]:
     """``cfg.dataset``'s split and its train/test images channels-last for Keras:
     ``(split, x_train (N, S, S, 1), x_test (M, S, S, 1))``."""
-    split = data.load(cfg.dataset, test_fraction=cfg.test_fraction,
+    split = datasets.load(cfg.dataset, test_fraction=cfg.test_fraction,
                       synthetic_samples=cfg.synthetic_samples, data_dir=cfg.data_dir or None)
     return split, split.x_train.transpose(0, 2, 3, 1), split.x_test.transpose(0, 2, 3, 1)
 
@@ -160,7 +160,7 @@ def evaluate(model: keras.Model, x: np.ndarray, y: np.ndarray, rank: int, size: 
     """Mean loss and accuracy over ``(x, y)`` (``(N, S, S, 1)``, ``(N,)``) on all ranks together:
     each rank scores an unpadded shard (cross-entropy of the logits in float64) and the sums are
     all-reduced. Same on every rank."""
-    idx = data.shard_indices(len(x), rank, size)
+    idx = datasets.shard_indices(len(x), rank, size)
     loss_sum, correct = 0.0, 0
     for start in range(0, len(idx), batch_size):
         chunk = idx[start:start + batch_size]

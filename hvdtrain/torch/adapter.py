@@ -22,7 +22,8 @@ import horovod.torch as hvd
 import horovod.torch.optimizer as _hvd_optimizer
 import torch
 
-from hvdtrain import accumulation, runtime, schedule, tuning
+from hvdtrain import accumulation, runtime, schedule
+from hvdtrain.launch import tuning
 from hvdtrain.accumulation import check_distribute_args, leading_dim
 from hvdtrain.torch.buffers import _dense_layout_tensors_, convert_sync_batchnorm
 # Also importable from here (they lived here before torch/buffers.py and torch/scheduler.py);

@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from hvdtrain import data, runtime, schedule, tuning
+from hvdtrain import datasets, runtime, schedule
+from hvdtrain.launch import tuning
 from hvdtrain.config import TrainConfig
 from hvdtrain.report import ElasticReport, EpochMetrics, run_header, setup_logging
 from hvdtrain.torch import adapter, checkpoint
@@ -68,7 +69,7 @@ def fit_elastic(cfg: TrainConfig) -> dict:
     torch.manual_seed(seed)
     torch.set_num_threads(runtime.thread_budget(hvd.local_size()))
     setup_logging(hvd.rank())
-    split = data.load(cfg.dataset, test_fraction=cfg.test_fraction,
+    split = datasets.load(cfg.dataset, test_fraction=cfg.test_fraction,
                       synthetic_samples=cfg.synthetic_samples, data_dir=cfg.data_dir or None)
     train_set = TensorDataset(torch.from_numpy(split.x_train), torch.from_numpy(split.y_train))
     x_test, y_test = torch.from_numpy(split.x_test), torch.from_numpy(split.y_test)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from tqdm import tqdm
 
-from hvdtrain import data, preempt, runtime, schedule
+from hvdtrain import datasets, preempt, runtime, schedule
 from hvdtrain.config import TrainConfig
 from hvdtrain.report import EpochMetrics, RunReport, run_header, setup_logging
 from hvdtrain.tensorboard import StepMeter
@@ -109,7 +109,7 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int
     """Mean loss and accuracy over ``(x, y)`` (shapes ``(N, ...)`` and ``(N,)``, on the model's
     device) on all ranks together: each rank scores an unpadded shard, and sums are all-reduced,
     so every sample counts exactly once. Returns ``(loss, accuracy)`` on every rank."""
-    idx = torch.from_numpy(data.shard_indices(len(x), rank, size)).to(x.device)
+    idx = torch.from_numpy(datasets.shard_indices(len(x), rank, size)).to(x.device)
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=x.device)
     correct = torch.zeros((), dtype=torch.int64, device=x.device)
@@ -162,7 +162,7 @@ def fit(cfg: TrainConfig) -> dict:
         log.warning(warning)
     device = torch.device(info.device)
     # The split does not depend on --seed: every run holds out the same samples.
-    split = data.load(cfg.dataset, test_fraction=cfg.test_fraction,
+    split = datasets.load(cfg.dataset, test_fraction=cfg.test_fraction,
                       synthetic_samples=cfg.synthetic_samples, data_dir=cfg.data_dir or None)
     train_set = TensorDataset(torch.from_numpy(split.x_train), torch.from_numpy(split.y_train))
     sampler = DistributedSampler(train_set, num_replicas=info.size, rank=info.rank, shuffle=True,

@@ -1,6 +1,6 @@
 """Under a plain `horovodrun -np 2` (no tuning flags), every rank's init() chooses Horovod's runtime
 settings itself before hvd.init(), a variable the user set wins, and metrics.json says which
-applied and who chose them; both adapters (hvdtrain.tuning.rank_settings)."""
+applied and who chose them; both adapters (hvdtrain.launch.tuning.rank_settings)."""
 import json
 
 import pytest

@@ -104,9 +104,9 @@ def check_keras_job(out_dir, size=2, backend="tensorflow"):
     # Rebuild the model from the checkpoint and score the held-out split single-process.
     import keras
 
-    from hvdtrain import data
+    from hvdtrain import datasets
     from hvdtrain.keras.models import build_model
-    split = data.load_digits()
+    split = datasets.load_digits()
     model = build_model()
     model.load_weights(str(out_dir / "checkpoint.weights.h5"))
     logits = model(split.x_test.transpose(0, 2, 3, 1), training=False)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from jobs import Console, horovodrun, mpirun, run, script
-from hvdtrain import data
+from hvdtrain import datasets
 from hvdtrain.torch.models import build_model
 
 
@@ -73,7 +73,7 @@ def check_main_job(out_dir, size=2):
     # The checkpoint loads safely and its model scores what the job reported.
     ckpt = torch.load(out_dir / "checkpoint.pt", weights_only=True)
     assert ckpt["epoch"] == len(metrics["epochs"]) and ckpt["size"] == size
-    split = data.load_digits()
+    split = datasets.load_digits()
     model = build_model()
     model.load_state_dict(ckpt["model"])
     model.eval()

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from hvdtrain.doctor import (GPU, NCCL_REBUILD, Machine, describe_cuda, describe_gpus, gpu_notes,
+from hvdtrain.launch.doctor import (GPU, NCCL_REBUILD, Machine, describe_cuda, describe_gpus, gpu_notes,
                              notes, parse_check_build, parse_driver_cuda, parse_nvidia_smi,
                              parse_torch_version_py, problems, report)
 

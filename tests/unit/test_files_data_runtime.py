@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from hvdtrain import data, runtime
+from hvdtrain import datasets, runtime
 from hvdtrain.files import atomic_open, write_json
 
 
@@ -28,7 +28,7 @@ def test_failed_write_keeps_the_last_good_file(tmp_path):
 
 
 def test_digits_split_is_real_and_deterministic():
-    a, b = data.load_digits(), data.load_digits()
+    a, b = datasets.load_digits(), datasets.load_digits()
     assert a.x_train.shape == (1437, 1, 8, 8) and a.x_test.shape == (360, 1, 8, 8)
     assert a.x_train.dtype == np.float32 and 0.0 <= a.x_train.min() and a.x_train.max() <= 1.0
     assert set(np.unique(a.y_test)) == set(range(10))
@@ -36,15 +36,15 @@ def test_digits_split_is_real_and_deterministic():
 
 
 def test_shard_indices_cover_every_sample_once():
-    shards = [data.shard_indices(11, r, 3) for r in range(3)]
+    shards = [datasets.shard_indices(11, r, 3) for r in range(3)]
     assert sorted(np.concatenate(shards).tolist()) == list(range(11))
 
 
 def test_synthetic_and_unknown_dataset():
-    s = data.load("synthetic", synthetic_samples=100)
+    s = datasets.load("synthetic", synthetic_samples=100)
     assert len(s.x_train) + len(s.x_test) == 100
     with pytest.raises(ValueError, match="unknown dataset 'cifar'; use digits, mnist or synthetic"):
-        data.load("cifar")
+        datasets.load("cifar")
 
 
 @pytest.mark.parametrize("local_size,cores,expected", [(1, 2, 2), (2, 2, 1), (4, 2, 1), (2, 8, 4)])

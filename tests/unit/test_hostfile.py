@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from hvdtrain import hostfile as hf
-from hvdtrain import tuning
+from hvdtrain.launch import hostfile as hf
+from hvdtrain.launch import tuning
 
 ROOT = Path(__file__).resolve().parents[2]
 

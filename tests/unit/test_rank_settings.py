@@ -1,6 +1,6 @@
 """Horovod's runtime settings that every rank's init() chooses before hvd.init()
-(hvdtrain.tuning.rank_settings): the CPU rule, the GPU rule, and the user's variables winning."""
-from hvdtrain import tuning
+(hvdtrain.launch.tuning.rank_settings): the CPU rule, the GPU rule, and the user's variables winning."""
+from hvdtrain.launch import tuning
 
 CYCLE, FUSION, YIELD = "HOROVOD_CYCLE_TIME", "HOROVOD_FUSION_THRESHOLD", "OMPI_MCA_mpi_yield_when_idle"
 

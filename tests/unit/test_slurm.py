@@ -6,8 +6,9 @@ import shlex
 
 import pytest
 
-from hvdtrain import runtime, slurm
-from hvdtrain.hostfile import HostfileError
+from hvdtrain import runtime
+from hvdtrain.launch import slurm
+from hvdtrain.launch.hostfile import HostfileError
 
 
 @pytest.mark.parametrize("nodelist,hosts", [

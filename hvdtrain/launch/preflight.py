@@ -17,8 +17,8 @@ versions on two hosts. The checks, in order, each naming the host, the cause and
 4. **all-reduce**: a small all-reduce over all slots, launched with horovodrun as ``hvdtrain
    launch`` would, under a timeout; rank 0 writes the result to a file.
 
-``python -m hvdtrain.preflight probe`` (run on each host over ssh) prints that host's facts as
-JSON; ``python -m hvdtrain.preflight allreduce --out F`` is the job of check 4.
+``python -m hvdtrain.launch.preflight probe`` (run on each host over ssh) prints that host's facts as
+JSON; ``python -m hvdtrain.launch.preflight allreduce --out F`` is the job of check 4.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from hvdtrain.hostfile import Hostfile, horovodrun_argv
+from hvdtrain.launch.hostfile import Hostfile, horovodrun_argv
 
 PACKAGES = ("torch", "tensorflow", "tensorflow-cpu", "keras", "horovod", "hvdtrain")
 SSH_TIMEOUT_S = 20  # ConnectTimeout and the whole command's limit, per host
@@ -211,9 +211,9 @@ def common_interfaces(per_host: dict[str, dict[str, list[str]]], requested: str 
 def allreduce_job(np_: int, hostfile: Hostfile, out: str, *, ssh_port: int | None = None,
                   ssh_identity_file: str | None = None,
                   network_interfaces: str | None = None) -> tuple[list[str], dict]:
-    """The horovodrun command of check 4: ``python -m hvdtrain.preflight allreduce --out F`` on
+    """The horovodrun command of check 4: ``python -m hvdtrain.launch.preflight allreduce --out F`` on
     ``np_`` slots, with the launch's ssh and network options."""
-    return horovodrun_argv(np_, hostfile, [sys.executable, "-m", "hvdtrain.preflight",
+    return horovodrun_argv(np_, hostfile, [sys.executable, "-m", "hvdtrain.launch.preflight",
                                            "allreduce", "--out", out],
                            ssh_port=ssh_port, ssh_identity_file=ssh_identity_file,
                            network_interfaces=network_interfaces, env=dict(os.environ))
@@ -288,7 +288,7 @@ def run_checks(hostfile: Hostfile, np_: int, *, ssh_port: int | None = None,
             checks.append(Check(host.name, "ssh", True, "this machine (no ssh)"))
             facts[host.name] = here
             continue
-        probe_cmd = [here["python"], "-m", "hvdtrain.preflight", "probe"]
+        probe_cmd = [here["python"], "-m", "hvdtrain.launch.preflight", "probe"]
         try:
             proc = subprocess.run(ssh_argv(host.name, probe_cmd, ssh_port, ssh_identity_file),
                                   capture_output=True, text=True, timeout=SSH_TIMEOUT_S + 30,
@@ -303,7 +303,7 @@ def run_checks(hostfile: Hostfile, np_: int, *, ssh_port: int | None = None,
         checks.append(Check(host.name, "ssh", True, "batch-mode ssh works"))
         if proc.returncode != 0:
             checks.append(Check(host.name, "versions", False,
-                                f"{here['python']} -m hvdtrain.preflight failed there: "
+                                f"{here['python']} -m hvdtrain.launch.preflight failed there: "
                                 + (proc.stderr.strip().splitlines() or ["no output"])[-1],
                                 "install the project at the same path on every host (the "
                                 "launchers start the same command everywhere)"))
@@ -348,9 +348,9 @@ def _allreduce_main(out: str) -> int:
     import torch
     hvd.init()
     total = hvd.allreduce(torch.tensor([hvd.rank() + 1.0], dtype=torch.float64), op=hvd.Sum,
-                          name="hvdtrain.preflight")
+                          name="hvdtrain.launch.preflight")
     hosts = hvd.allreduce(torch.tensor([float(hvd.local_rank() == 0)]), op=hvd.Sum,
-                          name="hvdtrain.preflight.hosts")
+                          name="hvdtrain.launch.preflight.hosts")
     if hvd.rank() == 0:  # on the first host, which may not be the one that launched
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps({"size": hvd.size(), "sum": float(total[0]),
@@ -359,8 +359,8 @@ def _allreduce_main(out: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m hvdtrain.preflight probe`` | ``allreduce --out F``."""
-    parser = argparse.ArgumentParser(prog="python -m hvdtrain.preflight")
+    """``python -m hvdtrain.launch.preflight probe`` | ``allreduce --out F``."""
+    parser = argparse.ArgumentParser(prog="python -m hvdtrain.launch.preflight")
     sub = parser.add_subparsers(dest="what", required=True)
     sub.add_parser("probe", help="print this host's facts as JSON")
     job = sub.add_parser("allreduce", help="the pre-flight all-reduce (run under horovodrun)")

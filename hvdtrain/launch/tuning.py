@@ -6,8 +6,8 @@ has GPUs. :func:`horovod_knobs` turns ``--fusion-threshold-mb``, ``--cycle-time-
 ``--autotune`` into Horovod's environment variables. :func:`rank_settings` is what every rank's
 ``init()`` applies before ``hvd.init()``, whatever launched it (``horovodrun``, ``mpirun``,
 ``srun``, ``hvdtrain launch``): the same rule for ranks whose user set nothing. Framework-free;
-the launchers' argv builders that take these settings are in :mod:`hvdtrain.hostfile` (and
-:mod:`hvdtrain.slurm` for srun).
+the launchers' argv builders that take these settings are in :mod:`hvdtrain.launch.hostfile` (and
+:mod:`hvdtrain.launch.slurm` for srun).
 """
 from __future__ import annotations
 

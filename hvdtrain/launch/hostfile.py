@@ -18,7 +18,7 @@ comment, a blank line or ``max_slots`` breaks it), and Open MPI's ``mpirun`` doe
 which is what horovodrun turns a hostfile into itself.
 
 The settings a launch adds for speed (``mpi_yield_when_idle``, Horovod's knobs) are decided in
-:mod:`hvdtrain.tuning`.
+:mod:`hvdtrain.launch.tuning`.
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ class Hostfile:
         bare: every line is exactly ``host slots=N`` (no comments, blank lines, other keys):
             ``horovodrun --hostfile`` can read it.
         mpich: it uses MPICH's ``host:N`` form (Open MPI cannot read it).
-        virtual: no file behind it (e.g. a Slurm allocation's hosts, :mod:`hvdtrain.slurm`):
+        virtual: no file behind it (e.g. a Slurm allocation's hosts, :mod:`hvdtrain.launch.slurm`):
             ``path`` only names it, and launchers get the hosts as ``-H host:N,...``.
     """
     path: str
@@ -254,7 +254,7 @@ def horovodrun_argv(np_: int, hostfile: Hostfile, command: list[str], *,
 
     horovodrun forwards the whole environment itself. ``mca`` settings go in as
     ``--mpi-args="--mca KEY VALUE ..."`` (MPI controller only); ``knobs`` (from
-    :func:`hvdtrain.tuning.horovod_knobs`) as ``--fusion-threshold-mb``, ``--cycle-time-ms``,
+    :func:`hvdtrain.launch.tuning.horovod_knobs`) as ``--fusion-threshold-mb``, ``--cycle-time-ms``,
     ``--autotune``.
 
     Returns:
@@ -328,7 +328,7 @@ def mpirun_argv(np_: int, hostfile: Hostfile, command: list[str], *,
         env: the environment to forward (``-x NAME`` for :func:`passed_env_names`).
         allow_run_as_root: add ``--allow-run-as-root`` (needed when running as root).
         mca: extra ``-mca key value`` pairs (e.g. ``{"btl_tcp_if_include": "lo"}``).
-        knobs: Horovod settings (:func:`hvdtrain.tuning.horovod_knobs`), added to the
+        knobs: Horovod settings (:func:`hvdtrain.launch.tuning.horovod_knobs`), added to the
             environment and forwarded.
 
     Returns:

@@ -18,7 +18,7 @@ import re
 import shutil
 import subprocess
 
-from hvdtrain.hostfile import Host, Hostfile, HostfileError
+from hvdtrain.launch.hostfile import Host, Hostfile, HostfileError
 
 SRUN_MPI = "pmix"  # the --mpi plugin Open MPI's ranks need under srun
 
@@ -104,7 +104,7 @@ def expand_tasks_per_node(tasks: str) -> list[int]:
 
 
 def allocation_hosts(env: dict[str, str]) -> Hostfile:
-    """The allocation's hosts and slots (tasks per host) as a :class:`~hvdtrain.hostfile.Hostfile`
+    """The allocation's hosts and slots (tasks per host) as a :class:`~hvdtrain.launch.hostfile.Hostfile`
     whose ``path`` names the job (launchers get it as ``-H host:N,...``).
 
     Reads ``SLURM_JOB_NODELIST`` (or ``SLURM_NODELIST``) and ``SLURM_TASKS_PER_NODE``; without
@@ -207,7 +207,7 @@ def srun_argv(np_: int, command: list[str], *, env: dict[str, str] | None = None
     srun forwards the whole environment to the tasks (``--export=ALL``, its default), so the
     launch tuning the mpirun path passes as ``-mca key value`` goes into the environment as
     ``OMPI_MCA_key=value`` (Open MPI reads its parameters from there), and Horovod's ``knobs``
-    (:func:`hvdtrain.tuning.horovod_knobs`) as they are. ``--cpu-bind=none`` matches mpirun's
+    (:func:`hvdtrain.launch.tuning.horovod_knobs`) as they are. ``--cpu-bind=none`` matches mpirun's
     ``-bind-to none`` (each rank's threads may use the cores hvdtrain gives it, inside whatever
     the allocation grants); ``--kill-on-bad-exit=1`` ends the other ranks when one fails, as
     mpirun does, instead of leaving them waiting in a collective.
