@@ -215,127 +215,43 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    """Validate the hostfile and -np, print the launcher's command line, run it (unless
-    ``--dry-run``) and return its exit status; 2 on bad input, before anything starts."""
-    import os
-    import shlex
+    """Plan the launch (:func:`hvdtrain.launch.plan.plan`: hostfile, -np, tuning, every launcher
+    and mode alike), print its notes and command line, run its checks, then run it (unless
+    ``--dry-run``) handing SIGTERM/SIGUSR1 to the ranks (:mod:`hvdtrain.launch.signals`), and
+    return its exit status; 2 on bad input, before anything starts."""
     import shutil
 
-    from hvdtrain.launch import hostfile as hf
-    from hvdtrain.preempt import run_forwarding_signals
-    from hvdtrain.launch.tuning import YIELD_MCA, horovod_knobs, launch_tuning, visible_gpus
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        return _fail("no command to launch; write it after '--', e.g. "
-                     "hvdtrain launch --hostfile hosts -np 2 -- hvdtrain train")
+    from hvdtrain.launch import slurm
+    from hvdtrain.launch.hostfile import HostfileError
+    from hvdtrain.launch.plan import PlanError, plan
+    from hvdtrain.launch.signals import RankSignals
     try:
         runtime.omp_num_threads()  # it goes to every rank: check it here first
-    except ValueError as exc:
+        launch = plan(args)
+    except (PlanError, ValueError) as exc:
         return _fail(str(exc))
-    if args.elastic:
-        return _launch_elastic(args, command)
-    from hvdtrain.launch import slurm
-    env = dict(os.environ)
-    try:
-        if args.hostfile:
-            hosts = hf.read_hostfile(args.hostfile)
-            np_ = hosts.slots if args.np is None else args.np
-        elif slurm.in_allocation(env):  # the allocation's hosts, -np its task count
-            hosts = slurm.allocation_hosts(env)
-            np_ = slurm.allocation_np(env, hosts) if args.np is None else args.np
-            print(f"hvdtrain: hosts from {hosts.path}: {hosts.as_h()}", file=sys.stderr)
-        elif args.launcher == "srun":  # srun makes its own allocation of -np tasks
-            hosts, np_ = None, args.np
-            if np_ is None:
-                return _fail("-np is required with --launcher srun outside an allocation")
-        else:
-            return _fail("--hostfile is required outside a Slurm allocation (or --elastic with "
-                         "--host-discovery-script, or --launcher srun)")
-        if hosts is not None:
-            hf.check_np(hosts, np_)
-        elif np_ < 1:
-            raise hf.HostfileError(f"-np must be at least 1, got {np_}")
-    except hf.HostfileError as exc:
-        return _fail(str(exc))
-    if args.launcher == "srun":
+    for note in launch.notes:
+        print(f"hvdtrain: {note}", file=sys.stderr)
+    if "srun" in launch.checks:
         try:
-            slurm.check_srun(env)
-        except hf.HostfileError as exc:
+            slurm.check_srun(launch.env)
+        except HostfileError as exc:
             if not args.dry_run:
                 return _fail(str(exc))
             print(f"hvdtrain: warning: {exc}", file=sys.stderr)
-    bad = [kv for kv in args.mca if "=" not in kv or not kv.split("=", 1)[0]]
-    if bad:
-        return _fail(f"--mca {bad[0]!r} is not KEY=VALUE; write e.g. --mca btl_tcp_if_include=eth0")
-    user_mca = dict(kv.split("=", 1) for kv in args.mca)
-    if args.launcher == "horovodrun" and args.gloo:
-        tuning = {}  # no MPI in the job; horovodrun_argv drops -mca settings anyway
-        print(f"hvdtrain: --gloo: no MPI, so no {YIELD_MCA}", file=sys.stderr)
-    else:  # nvidia-smi is only run for auto
-        gpus = visible_gpus() if args.yield_when_idle == "auto" else 0
-        tuning, reason = launch_tuning(args.yield_when_idle, gpus, env=env)
-        if YIELD_MCA in user_mca:
-            reason += f"; --mca {YIELD_MCA}={user_mca[YIELD_MCA]} overrides this"
-        print(f"hvdtrain: {reason}", file=sys.stderr)
-    mca = {**tuning, **user_mca}
-    try:
-        knobs = horovod_knobs(args.fusion_threshold_mb, args.cycle_time_ms, args.autotune)
-    except ValueError as exc:
-        return _fail(str(exc))
-    if args.launcher == "horovodrun":
-        argv, env = hf.horovodrun_argv(np_, hosts, command, ssh_port=args.ssh_port,
-                                       ssh_identity_file=args.ssh_identity_file,
-                                       network_interfaces=args.network_interfaces,
-                                       gloo=args.gloo, mca=mca, knobs=knobs, env=env)
-        shown = shlex.join(argv)
-    elif args.launcher == "mpirun":
-        argv, env = hf.mpirun_argv(np_, hosts, command, env=env,
-                                   allow_run_as_root=os.geteuid() == 0, mca=mca, knobs=knobs)
-        shown = shlex.join(argv)
-    else:
-        before = dict(os.environ)
-        argv, env = slurm.srun_argv(np_, command, env=env, mca=mca, knobs=knobs)
-        changed = [f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()) if before.get(k) != v]
-        shown = " ".join(changed + [shlex.join(argv)])  # exact, as a shell command line
-    if args.check and not args.dry_run:
-        if not args.hostfile:
-            return _fail("--check needs --hostfile (inside Slurm the scheduler placed the job)")
+    if "preflight" in launch.checks and not args.dry_run:
         code = _preflight(args)
         if code:
             return code
-    print(shown, flush=True)
+    print(launch.shown, flush=True)
     if args.dry_run:
         return 0
-    if shutil.which(argv[0], path=env.get("PATH")) is None:
-        return _fail(f"{argv[0]} not found on PATH; run 'make setup' (Open MPI and Horovod) or "
-                     "use another --launcher")
-    return run_forwarding_signals(argv, env)
-
-
-def _launch_elastic(args: argparse.Namespace, command: list[str]) -> int:
-    """``hvdtrain launch --elastic``: horovodrun with --min-np/--max-np/--host-discovery-script."""
-    import os
-    import shlex
-    import subprocess
-
-    from hvdtrain.launch import hostfile as hf
-    if args.launcher != "horovodrun":
-        return _fail("--elastic needs --launcher horovodrun (mpirun and srun cannot add or lose "
-                     "workers)")
-    if args.np is None:
-        return _fail("-np is required with --elastic (the workers to start with)")
-    try:
-        argv, env = hf.horovodrun_elastic_argv(
-            args.np, command, min_np=args.min_np, max_np=args.max_np,
-            discovery_script=args.host_discovery_script, ssh_port=args.ssh_port,
-            ssh_identity_file=args.ssh_identity_file,
-            network_interfaces=args.network_interfaces, env=dict(os.environ))
-    except ValueError as exc:
-        return _fail(str(exc))
-    print(shlex.join(argv), flush=True)
-    if args.dry_run:
-        return 0
-    return subprocess.run(argv, env=env).returncode
+    if shutil.which(launch.argv[0], path=launch.env.get("PATH")) is None:
+        return _fail(f"{launch.argv[0]} not found on PATH; run 'make setup' (Open MPI and "
+                     "Horovod) or use another --launcher")
+    return RankSignals(launch.argv, launch.env, launch.launcher, hosts=launch.host_names,
+                       ssh_port=launch.ssh_port,
+                       ssh_identity_file=launch.ssh_identity_file).run()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -169,24 +169,3 @@ def requeue(signal_name: str, enabled: bool, env: dict[str, str] | None = None) 
                 f"{(proc.stderr or proc.stdout).strip()} (an salloc job cannot be requeued; "
                 "submit with sbatch --requeue)")
     return f"Slurm job {job} requeued (scontrol requeue {job})"
-
-
-def run_forwarding_signals(argv: list[str], env: dict[str, str]) -> int:
-    """Run the launcher and pass SIGTERM and SIGUSR1 on to it (mpirun and srun hand them to the
-    ranks, which checkpoint and stop as above), so that a signal for the job
-    step or the batch shell (``sbatch --signal=B:USR1@T``, a container's PID 1) is not lost by
-    killing ``hvdtrain launch``. Returns the launcher's exit status."""
-    proc = subprocess.Popen(argv, env=env)
-
-    def forward(signum, frame):
-        try:
-            proc.send_signal(signum)
-        except ProcessLookupError:
-            pass
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        return proc.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

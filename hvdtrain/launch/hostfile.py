@@ -272,26 +272,32 @@ def horovodrun_argv(np_: int, hostfile: Hostfile, command: list[str], *,
     argv += _horovodrun_ssh_args(ssh_port, ssh_identity_file, network_interfaces)
     if mca and not gloo:
         argv.append("--mpi-args=" + " ".join(f"--mca {k} {v}" for k, v in mca.items()))
-    env = dict(env or {})
-    flags = {"HOROVOD_FUSION_THRESHOLD": "--fusion-threshold-mb",
-             "HOROVOD_CYCLE_TIME": "--cycle-time-ms"}
-    for name, flag in flags.items():
-        if name in (knobs or {}):
-            value = knobs[name]
-            argv += [flag, str(int(value) // 2**20) if name == "HOROVOD_FUSION_THRESHOLD"
-                     else value]
-    if (knobs or {}).get("HOROVOD_AUTOTUNE") == "1":
+    return argv + _knob_flags(knobs) + list(command), dict(env or {})
+
+
+def _knob_flags(knobs: dict[str, str] | None) -> list[str]:
+    """horovodrun's flags for Horovod's settings (:func:`hvdtrain.launch.tuning.horovod_knobs`):
+    ``--fusion-threshold-mb``, ``--cycle-time-ms``, ``--autotune`` (both launch modes)."""
+    knobs = knobs or {}
+    argv = []
+    if "HOROVOD_FUSION_THRESHOLD" in knobs:
+        argv += ["--fusion-threshold-mb", str(int(knobs["HOROVOD_FUSION_THRESHOLD"]) // 2**20)]
+    if "HOROVOD_CYCLE_TIME" in knobs:
+        argv += ["--cycle-time-ms", knobs["HOROVOD_CYCLE_TIME"]]
+    if knobs.get("HOROVOD_AUTOTUNE") == "1":
         argv.append("--autotune")
-    return argv + list(command), env
+    return argv
 
 
 def horovodrun_elastic_argv(np_: int, command: list[str], *, min_np: int | None,
                             max_np: int | None, discovery_script: str | None,
                             ssh_port: int | None = None, ssh_identity_file: str | None = None,
                             network_interfaces: str | None = None,
+                            knobs: dict[str, str] | None = None,
                             env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
     """``horovodrun -np N --min-np A --max-np B --host-discovery-script S [...] <command>``
-    (Horovod Elastic, Gloo controller).
+    (Horovod Elastic, Gloo controller), with Horovod's settings ``knobs`` as horovodrun flags,
+    as :func:`horovodrun_argv` passes them.
 
     Raises:
         ValueError: a missing/non-executable discovery script, or not ``1 <= A <= N <= B``.
@@ -309,7 +315,7 @@ def horovodrun_elastic_argv(np_: int, command: list[str], *, min_np: int | None,
     argv = ["horovodrun", "-np", str(np_), "--min-np", str(min_np), "--max-np", str(max_np),
             "--host-discovery-script", discovery_script]
     argv += _horovodrun_ssh_args(ssh_port, ssh_identity_file, network_interfaces)
-    return argv + list(command), dict(env or {})
+    return argv + _knob_flags(knobs) + list(command), dict(env or {})
 
 
 def mpirun_argv(np_: int, hostfile: Hostfile, command: list[str], *,

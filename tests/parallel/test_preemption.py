@@ -119,3 +119,37 @@ def test_hvdtrain_launch_passes_sigusr1_on_to_the_ranks(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert got.read_text() == "yes"
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun", "mpirun"])
+def test_sigterm_to_hvdtrain_launch_reaches_the_ranks_through_every_launcher(tmp_path, launcher):
+    # Before: horovodrun died of the signal at once (exit 241) and its ranks trained on,
+    # orphaned; mpirun handed SIGTERM on but SIGKILLed the ranks about 1 s later (exit 1), so a
+    # step of 1.5 s never reached its checkpoint. Now the ranks get the signal themselves.
+    from jobs import BIN
+    out = tmp_path / "run"
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=2\n")
+    # Epoch 1 at full speed (75 steps), then every optimizer step takes > 1.5 s.
+    proc = start([str(BIN / "hvdtrain"), "launch", "--launcher", launcher, "--hostfile",
+                  str(hostfile), "-np", "2", "--", str(BIN / "hvdtrain"), "train", "--framework",
+                  "torch", "--output-dir", str(out), *ARGS, "--fault-slow-from", "75:1.5"])
+    try:
+        wait_for_file(out / "metrics.json", proc)  # epoch 1 done: the ranks handle signals
+        time.sleep(0.3)
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)  # the launcher, as scancel or a pod's stop does
+        output, _ = proc.communicate(timeout=120)
+        seconds = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_PREEMPTED, output[-3000:]
+    stopped = metrics(out)["preempted"]
+    print(f"{launcher}: {stopped}; exited {seconds:.2f} s after the signal")
+    assert stopped["signal"] == "SIGTERM" and stopped["epoch"] == 2 and stopped["batch"] > 0
+    assert stopped["seconds_to_checkpoint"] > 0
+    record, _ = load_checkpoint(out, "torch")
+    assert record["epoch"] == 1 and record["batch"] == stopped["batch"]
+    time.sleep(1)
+    assert pids_of(str(out)) == {}, "ranks left running after the launcher ended"
