@@ -162,7 +162,7 @@ def keras_setup(args):
                                          gradient_accumulation_steps=k if k > 1 else None)
     else:
         import hvdtrain.keras as hk
-        from hvdtrain.keras._backend import hvd
+        from hvdtrain.keras.collectives import hvd
         info = hk.init(seed=0)
         rank, size = info.rank, info.size
         model = bench_model(args.model, image_size=args.image_size)

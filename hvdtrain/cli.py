@@ -44,7 +44,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                         help="single-process learning rate, scaled by --lr-scaling")
     parser.add_argument("--momentum", type=float, default=d.momentum)
     parser.add_argument("--dropout", type=float, default=d.dropout,
-                        help="dropout probability before the last layer (torch)")
+                        help="dropout probability before the last layer")
     parser.add_argument("--lr-scaling", default=d.lr_scaling,
                         help=f"one of {', '.join(LR_SCALING_RULES)}")
     parser.add_argument("--warmup-epochs", type=float, default=d.warmup_epochs)

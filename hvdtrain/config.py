@@ -212,6 +212,14 @@ class TrainConfig:
             if self.precision != "fp32" or self.batchnorm or self.device == "cuda":
                 raise ConfigError("--elastic trains in fp32 on the CPU, without --batchnorm, "
                                   "for now; drop --precision/--batchnorm/--device cuda")
+            if self.op != "average":
+                raise ConfigError("--elastic trains with --op average: Adasum needs a "
+                                  "power-of-2 number of workers, which a reset may change; "
+                                  "drop --op adasum")
+            if self.warmup_epochs not in (0, type(self).warmup_epochs):
+                raise ConfigError("--elastic trains without warmup (the world size, and so "
+                                  "the scaled rate, changes at every reset); drop "
+                                  "--warmup-epochs")
         if self.data_dir:
             if self.dataset != "mnist":
                 raise ConfigError("--data-dir is for --dataset mnist (IDX files or an .npz); "

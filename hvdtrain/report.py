@@ -101,6 +101,21 @@ def setup_logging(rank: int) -> None:
                         format=f"[hvdtrain rank {rank}] %(message)s", force=True)
 
 
+def stop_together(broadcast_object: Callable[..., object], reason: str) -> None:
+    """The point every rank passes together before the job stops (a divergence, a non-finite
+    loss with ``--on-nonfinite stop``, a preemption): one broadcast of None from rank 0, named
+    ``hvdtrain.<reason>``. Rank 0 arrives once it has written what the stop leaves
+    (``metrics.json``, the checkpoint) and printed why; the others wait for it here, since
+    launchers end the whole job at the first rank that exits.
+
+    Args:
+        broadcast_object: the framework's ``hvd.broadcast_object`` (``horovod.torch``'s, or
+            :func:`hvdtrain.keras.collectives.broadcast_object`).
+        reason: the stop's name (``diverged``, ``nonfinite_stop``, ``preempt.done``).
+    """
+    broadcast_object(None, root_rank=0, name=f"hvdtrain.{reason}")
+
+
 class RunReport:
     """Collects epoch metrics and writes ``metrics.json`` atomically after each epoch (rank 0),
     and the epoch's TensorBoard scalars.
@@ -110,10 +125,14 @@ class RunReport:
         header: run-level fields (framework, dataset, size, batches, lrs, sample counts, config).
         is_root: only the root rank writes and logs.
         tensorboard: write TensorBoard events (:class:`hvdtrain.tensorboard.Board`, ``board``).
+        broadcast_object: the framework's ``hvd.broadcast_object``, for the stops every rank
+            takes together (:func:`stop_together`); None for a report that never stops a run.
     """
 
     def __init__(self, output_dir: str | os.PathLike, header: dict, is_root: bool,
-                 tensorboard: bool = False):
+                 tensorboard: bool = False,
+                 broadcast_object: Callable[..., object] | None = None):
+        self.broadcast_object = broadcast_object
         self.path = Path(output_dir) / METRICS_FILE
         self.header = dict(header)
         self.header.setdefault("versions", {})["hvdtrain"] = __version__
@@ -137,14 +156,12 @@ class RunReport:
         """Rewrite ``metrics.json`` atomically."""
         write_json(self.path, self.to_dict())
 
-    def check_divergence(self, metrics: EpochMetrics, cfg, num_classes: int,
-                         hold: Callable[[], None]) -> None:
+    def check_divergence(self, metrics: EpochMetrics, cfg, num_classes: int) -> None:
         """Before an epoch's checkpoint, on every rank: when ``cfg.divergence_check`` is on and
         :func:`hvdtrain.guard.divergence` says the run diverged with ``metrics`` as its last
         epoch, rank 0 records the epoch and the verdict (``diverged`` in ``metrics.json``, the
-        TensorBoard events) and prints the error; then every rank calls ``hold`` (a collective
-        such as a broadcast from rank 0, so no rank exits before rank 0 is done: launchers end
-        the whole job at the first exit) and raises.
+        TensorBoard events) and prints the error; then every rank stops together
+        (:func:`stop_together`) and raises.
 
         Raises:
             guard.DivergenceError: on every rank alike (the metrics are all-reduced), with
@@ -160,16 +177,16 @@ class RunReport:
         message = (f"{why}; epoch {metrics.epoch} was not checkpointed: --resume from "
                    f"{self.path.parent} continues from the checkpoint before it")
         self.add(metrics)  # logged, written and on TensorBoard like any epoch
-        self._stop_together("diverged", why, message, hold)
+        self._stop_together("diverged", why, message)
         raise guard.DivergenceError(message, reported=True)
 
     @contextlib.contextmanager
-    def stops_on_nonfinite(self, hold: Callable[[], None]) -> Iterator[None]:
+    def stops_on_nonfinite(self) -> Iterator[None]:
         """Around the training loop, on every rank: a
         :class:`~hvdtrain.runtime.NonFiniteLossError` (``--on-nonfinite stop``; every rank raises
         it at the same step) is recorded as ``nonfinite_stop`` in ``metrics.json`` and printed by
-        rank 0, then every rank calls ``hold`` (a collective, as for :meth:`check_divergence`) and
-        the error goes on with ``reported`` True.
+        rank 0, then every rank stops together (:func:`stop_together`) and the error goes on with
+        ``reported`` True.
 
         Raises:
             runtime.NonFiniteLossError: the one raised inside, now with ``reported`` True.
@@ -177,20 +194,20 @@ class RunReport:
         try:
             yield
         except runtime.NonFiniteLossError as exc:
-            self._stop_together("nonfinite_stop", str(exc), str(exc), hold)
+            self._stop_together("nonfinite_stop", str(exc), str(exc))
             exc.reported = True
             raise
 
-    def _stop_together(self, key: str, value, message: str, hold: Callable[[], None]) -> None:
+    def _stop_together(self, key: str, value, message: str) -> None:
         """Record why the run stops (``key`` in ``metrics.json``, written atomically), close the
-        TensorBoard events and print ``message`` on rank 0; then ``hold`` on every rank, so that
-        no rank exits before rank 0 is done: launchers end the whole job at the first exit."""
+        TensorBoard events and print ``message`` on rank 0; then :func:`stop_together` on every
+        rank."""
         self.header[key] = value
         self.board.close()
         if self.is_root:
             self.write()
             print(f"hvdtrain: error: {message}", file=sys.stderr, flush=True)
-        hold()
+        stop_together(self.broadcast_object, key)
 
     def to_dict(self) -> dict:
         """The whole report as a JSON-ready dict."""
@@ -302,7 +319,7 @@ class ElasticReport:
                              self.is_root())
         if self.is_root():
             print(f"hvdtrain: error: {message}", file=sys.stderr, flush=True)
-        self.broadcast_object(None, root_rank=0, name=f"hvdtrain.{key}")
+        stop_together(self.broadcast_object, key)
         self.header[key] = message
 
     def skipped_step(self, bad_ranks: list[int], step: int) -> None:

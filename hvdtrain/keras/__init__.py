@@ -3,7 +3,7 @@
 
 Modules: :mod:`~hvdtrain.keras.adapter` (init, broadcast, distribute), :mod:`~.optimizer` (what
 distribute puts into the optimizer), :mod:`~.callbacks`, :mod:`~.sharding` (data),
-:mod:`~._backend` (Horovod's collectives for the backend in use).
+:mod:`~.collectives` (Horovod's collectives for the backend in use).
 """
 from hvdtrain.keras.adapter import (allreduce_sums, backend, broadcast_state, distribute, init,
                                     micro_batch_count, rank_info, ranks_where,

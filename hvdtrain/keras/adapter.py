@@ -3,7 +3,7 @@
 accumulation of k micro-batches. Same concepts and names as :mod:`hvdtrain.torch`.
 
 Horovod's own Keras layer (``horovod.tensorflow.keras``) is written for Keras 2 optimizers; this
-adapter is built on Horovod's collectives instead (:mod:`hvdtrain.keras._backend`:
+adapter is built on Horovod's collectives instead (:mod:`hvdtrain.keras.collectives`:
 ``horovod.tensorflow`` under ``KERAS_BACKEND=tensorflow``, ``horovod.torch`` under
 ``KERAS_BACKEND=torch``), so the same code runs on both backends.
 
@@ -35,7 +35,7 @@ from keras import ops
 from hvdtrain import runtime, schedule
 from hvdtrain.launch import tuning
 from hvdtrain.accumulation import check_distribute_args
-from hvdtrain.keras import _backend as B
+from hvdtrain.keras import collectives as B
 from hvdtrain.keras import xla
 from hvdtrain.keras.optimizer import (NonFiniteGuard, WarmupSchedule, _Allreduce, _LossScaleHooks,
                                       inner, settable_learning_rate, zero_accumulators)
@@ -235,7 +235,8 @@ def broadcast_state(model: keras.Model, optimizer: keras.optimizers.Optimizer,
 def distribute(model: keras.Model, optimizer: keras.optimizers.Optimizer, *,
                backward_passes_per_step: int = 1, lr_scaling: str | None = None,
                compression: str = "none", op: str = "average", root_rank: int = 0,
-               gradient_predivide_factor: float = 1.0, on_nonfinite: str | None = None):
+               gradient_predivide_factor: float = 1.0, broadcast: bool = True,
+               on_nonfinite: str | None = None):
     """Turn a single-process Keras 3 model and optimizer into synchronous data-parallel ones.
 
     1. Accumulation: with k = ``backward_passes_per_step`` > 1 the optimizer gets Keras's own
@@ -280,6 +281,11 @@ def distribute(model: keras.Model, optimizer: keras.optimizers.Optimizer, *,
         root_rank: rank whose initial state every rank takes.
         gradient_predivide_factor: as Horovod's (divide before the sum, the rest after).
         on_nonfinite: ``None`` (no check), ``"skip"`` or ``"stop"``.
+        broadcast: broadcast the model and optimizer from ``root_rank`` (default). False for
+            Horovod Elastic, whose state's ``sync()`` broadcasts on every rank at the start and
+            at each reset (a worker that joins later must not start a broadcast of its own); the
+            non-finite guard then sends one flag per rank instead of a vector as long as the
+            size, which changes at a reset.
 
     Returns:
         ``(model, optimizer)``: the same model (now equal on all ranks) and the same optimizer
@@ -292,17 +298,6 @@ def distribute(model: keras.Model, optimizer: keras.optimizers.Optimizer, *,
             when k > 1, or created with another ``gradient_accumulation_steps``, or a
             learning rate that is a plain callable.
     """
-    return _distribute(model, optimizer, backward_passes_per_step, lr_scaling, compression, op,
-                       root_rank, gradient_predivide_factor, on_nonfinite, broadcast=True)
-
-
-def _distribute(model, optimizer, backward_passes_per_step, lr_scaling, compression, op,
-                root_rank, gradient_predivide_factor, on_nonfinite, broadcast: bool):
-    """:func:`distribute`; ``broadcast=False`` is for elastic training: the optimizer is built
-    without broadcasting (``KerasState.sync`` broadcasts on every rank at each reset, and a worker
-    that joins later must not start a broadcast of its own), and the non-finite guard sends one
-    flag per rank instead of a vector as long as the size, which changes at a reset
-    (:class:`NonFiniteGuard` with ``size=None``)."""
     check_distribute_args(backward_passes_per_step, compression, op, B.COMPRESSIONS, _OPS)
     if on_nonfinite is not None and on_nonfinite not in NONFINITE_MODES:
         raise ValueError(f"on_nonfinite must be None, 'skip' or 'stop'; got {on_nonfinite!r}")

@@ -10,7 +10,7 @@ import numpy as np
 from keras import ops
 
 from hvdtrain import runtime, schedule
-from hvdtrain.keras import _backend as B
+from hvdtrain.keras import collectives as B
 from hvdtrain.keras.adapter import allreduce_sums, sync_buffers
 from hvdtrain.keras.optimizer import NonFiniteGuard, schedule_of
 

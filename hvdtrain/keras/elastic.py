@@ -39,14 +39,14 @@ from keras import ops
 
 from hvdtrain import runtime, schedule
 from hvdtrain.config import TrainConfig
-from hvdtrain.keras import _backend, adapter, checkpoint
+from hvdtrain.keras import collectives, adapter, checkpoint
 from hvdtrain.keras.optimizer import schedule_of
 from hvdtrain.keras.models import build_model
-from hvdtrain.keras.trainer import TrainLoss, _framework_version, evaluate, load_nhwc
+from hvdtrain.keras.trainer import TrainLoss, framework_version, evaluate, load_nhwc
 from hvdtrain.report import ElasticReport, EpochMetrics, run_header, setup_logging
 
 log = logging.getLogger("hvdtrain")
-hvd = _backend.hvd
+hvd = collectives.hvd
 
 
 # TensorFlow's error classes for a Horovod collective that failed because a worker left: in flight
@@ -99,7 +99,7 @@ class KerasState(ObjectState):
     def __init__(self, model: keras.Model, optimizer, **kwargs):
         self.model, self.optimizer = model, optimizer
         self._saved_weights = self._saved_optimizer = None
-        super().__init__(bcast_object=_backend.broadcast_object, get_rank=hvd.rank, **kwargs)
+        super().__init__(bcast_object=collectives.broadcast_object, get_rank=hvd.rank, **kwargs)
         self._save_variables()
 
     def _save_variables(self) -> None:
@@ -161,15 +161,16 @@ def fit_elastic(cfg: TrainConfig) -> dict:
         guard.DivergenceError: the run diverged (every rank, ``reported`` True; ``diverged``).
     """
     cfg = dataclasses.replace(cfg, warmup_epochs=0.0)  # recorded as run: no warmup
-    info = adapter.init(cfg.seed)
+    info = adapter.init(cfg.seed, device="cpu")  # elastic runs on the CPU
     setup_logging(info.rank)
     split, x_train, x_test = load_nhwc(cfg)
 
-    model = build_model(split.num_classes, x_train.shape[1])
+    model = build_model(split.num_classes, x_train.shape[1], cfg.dropout, cfg.batchnorm)
     optimizer = keras.optimizers.SGD(learning_rate=cfg.lr, momentum=cfg.momentum)
     # No broadcast here: KerasState.sync broadcasts on every rank at the start and each reset.
-    model, optimizer = adapter._distribute(model, optimizer, 1, cfg.lr_scaling, "none", "average",
-                                           0, 1.0, cfg.on_nonfinite, broadcast=False)
+    model, optimizer = adapter.distribute(model, optimizer, lr_scaling=cfg.lr_scaling,
+                                          compression=cfg.compression, op=cfg.op,
+                                          on_nonfinite=cfg.on_nonfinite, broadcast=False)
     nonfinite_guard = optimizer.hvdtrain_nonfinite
     lr_schedule = schedule_of(optimizer)
     train_loss = TrainLoss(optimizer, 1, info.rank, cfg.fault())
@@ -198,12 +199,12 @@ def fit_elastic(cfg: TrainConfig) -> dict:
     steps_per_epoch = math.ceil(len(x_train) / (cfg.batch_size * info.size))
     header = run_header("keras", cfg, info, len(x_train), len(x_test), steps_per_epoch,
                         {"keras": keras.__version__, "keras_backend": adapter.backend(),
-                         adapter.backend(): _framework_version(),
+                         adapter.backend(): framework_version(),
                          "horovod": horovod.__version__})
     header["elastic"] = True
 
     report = ElasticReport(out, header, state, cfg, hvd.size, lambda: hvd.rank() == 0,
-                           _backend.broadcast_object)
+                           collectives.broadcast_object)
 
     guard_skips = [0]  # the guard's count when last read (it is not rolled back by a reset)
 

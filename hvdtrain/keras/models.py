@@ -5,12 +5,13 @@ from __future__ import annotations
 import keras
 
 
-def build_model(num_classes: int = 10, image_size: int = 8,
+def build_model(num_classes: int = 10, image_size: int = 8, dropout: float = 0.0,
                 batchnorm: bool = False) -> keras.Model:
     """The CNN of :class:`hvdtrain.torch.models.DigitsCNN`, channels-last: input
     ``(B, S, S, 1)``, output logits ``(B, num_classes)`` in float32 whatever the global
     mixed-precision policy (Keras's advice: keep the outputs that feed the loss in float32).
-    ``batchnorm``: ``BatchNormalization`` after each convolution. From 16 px up (MNIST's 28) a
+    ``dropout``: probability of the dropout before the last layer (none when 0, the default, as
+    in the PyTorch model); ``batchnorm``: ``BatchNormalization`` after each convolution. From 16 px up (MNIST's 28) a
     max-pooling follows the first convolution, as in the PyTorch model. Built (weights exist) on
     return."""
     layers = keras.layers
@@ -26,6 +27,7 @@ def build_model(num_classes: int = 10, image_size: int = 8,
         layers.MaxPool2D(2),
         layers.Flatten(),
         layers.Dense(64, activation="relu"),
+        *([layers.Dropout(dropout)] if dropout > 0 else []),
         layers.Dense(num_classes),
         layers.Activation("linear", dtype="float32"),
     ], name="digits_cnn")

@@ -1,7 +1,7 @@
 """The pieces :func:`hvdtrain.keras.distribute` puts into a Keras 3 optimizer: the learning-rate
 schedule (world-size scaling and warmup, evaluated inside the train step), the grouped all-reduce
 of the gradients on the optimizer instance, the non-finite guard, and the loss-scale hooks for
-fp16. Backend-neutral (``keras.ops`` and :mod:`hvdtrain.keras._backend`)."""
+fp16. Backend-neutral (``keras.ops`` and :mod:`hvdtrain.keras.collectives`)."""
 from __future__ import annotations
 
 import keras
@@ -9,7 +9,7 @@ import numpy as np
 from keras import ops
 
 from hvdtrain import schedule
-from hvdtrain.keras import _backend as B
+from hvdtrain.keras import collectives as B
 
 
 @keras.saving.register_keras_serializable(package="hvdtrain")

@@ -6,7 +6,7 @@ import keras
 import numpy as np
 
 from hvdtrain import runtime
-from hvdtrain.keras import _backend as B
+from hvdtrain.keras import collectives as B
 
 
 def micro_batches_per_epoch(samples: int, batch_size: int, size: int,

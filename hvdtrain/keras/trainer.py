@@ -22,10 +22,10 @@ from keras import ops
 from hvdtrain import datasets, preempt, runtime
 from hvdtrain.config import TrainConfig
 from hvdtrain.files import CheckpointError
-from hvdtrain.keras import _backend, adapter, checkpoint, sharding
+from hvdtrain.keras import collectives, adapter, checkpoint, sharding
 from hvdtrain.keras.callbacks import callbacks as fit_callbacks
-from hvdtrain.keras.trainer_callbacks import (SlowSteps, _Preemption, _StepPoints, _preempted,
-                                              _save)
+from hvdtrain.keras.trainer_callbacks import (SlowSteps, StopOnSignal, StepPoints, preempted_stop,
+                                              save_checkpoint)
 from hvdtrain.keras.models import build_model
 from hvdtrain.keras.optimizer import PreemptFlags
 from hvdtrain.report import EpochMetrics, RunReport, run_header, setup_logging
@@ -137,7 +137,7 @@ def _resume(cfg: TrainConfig, info, model, optimizer) -> dict:
         except Exception as exc:  # any failure on rank 0 must reach the other ranks, not hang
             meta = {"error": f"{type(exc).__name__}: {exc}" if not isinstance(
                 exc, (CheckpointError, ValueError)) else str(exc)}
-    meta = _backend.broadcast_object(meta, root_rank=0, name="hvdtrain.resume")
+    meta = collectives.broadcast_object(meta, root_rank=0, name="hvdtrain.resume")
     if "error" in meta:
         raise SystemExit(f"hvdtrain: error: --resume: {meta['error']}")
     if "fresh" in meta:
@@ -178,7 +178,7 @@ class _EpochEnd(keras.callbacks.Callback):
     """After each epoch (logs already averaged over ranks): evaluate, checkpoint, report. An
     epoch resumed from a mid-epoch checkpoint starts from that checkpoint's sums, step count
     and time (``trainer_state["partial"]``); an epoch stopped by a signal is left to
-    :func:`_preempted`."""
+    :func:`preempted_stop`."""
 
     def __init__(self, trainer_state: dict):
         super().__init__()
@@ -210,7 +210,7 @@ class _EpochEnd(keras.callbacks.Callback):
         s = self.s
         stopped = s["preemption"].stopped
         if stopped and stopped["batch"] < s["micro_per_epoch"]:
-            return  # a mid-epoch stop: _preempted checkpoints it
+            return  # a mid-epoch stop: preempted_stop checkpoints it
         info, optimizer = s["info"], s["optimizer"]
         sums = s["loss"].totals()
         totals = adapter.allreduce_sums({"seconds": time.perf_counter() - self.start,
@@ -231,16 +231,15 @@ class _EpochEnd(keras.callbacks.Callback):
         n = max(totals["n"], 1.0)
         metrics = EpochMetrics(epoch + 1, totals["loss"] / n, totals["correct"] / n, test_loss,
                                test_acc, self.lr, steps, seconds, samples / seconds)
-        s["report"].check_divergence(  # before its checkpoint; rank 0 reports, then all stop
-            metrics, s["cfg"], s["num_classes"],
-            hold=lambda: _backend.broadcast_object(None, root_rank=0, name="hvdtrain.diverged"))
-        _save(s, epoch + 1, 0, None, s["report"].epochs + [metrics], self.model)
+        # Before its checkpoint; rank 0 reports, then all stop together.
+        s["report"].check_divergence(metrics, s["cfg"], s["num_classes"])
+        save_checkpoint(s, epoch + 1, 0, None, s["report"].epochs + [metrics], self.model)
         s["report"].add(metrics)
         if stopped:  # stopped on the epoch's last step: the epoch is complete
             stopped.update(epoch=epoch + 1, batch=0)
 
 
-def _framework_version() -> str:
+def framework_version() -> str:
     """The version of the framework under the Keras backend in use."""
     if adapter.backend() == "torch":
         import torch
@@ -301,7 +300,7 @@ def _fit(cfg: TrainConfig, info) -> dict:
     micro_per_epoch = sharding.micro_batches_per_epoch(len(x_train), cfg.batch_size, info.size, k)
     steps_per_epoch = micro_per_epoch // k
 
-    model = build_model(split.num_classes, x_train.shape[1], batchnorm=cfg.batchnorm)
+    model = build_model(split.num_classes, x_train.shape[1], cfg.dropout, cfg.batchnorm)
     optimizer = keras.optimizers.SGD(learning_rate=cfg.lr, momentum=cfg.momentum)
     if cfg.precision == "fp16":  # a dynamic loss scale, kept equal on all ranks by distribute
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer,
@@ -336,7 +335,7 @@ def _fit(cfg: TrainConfig, info) -> dict:
     framework_version = {"tensorflow": "tensorflow", "torch": "torch"}[adapter.backend()]
     header = run_header("keras", cfg, info, len(x_train), len(x_test), steps_per_epoch,
                         {"keras": keras.__version__, "keras_backend": adapter.backend(),
-                         framework_version: _framework_version(),
+                         framework_version: framework_version(),
                          "horovod": horovod.__version__})
     header["resumed_from"] = ({k2: resumed[k2] for k2 in ("epoch", "size", "global_batch")}
                               if resumed else None)
@@ -344,7 +343,8 @@ def _fit(cfg: TrainConfig, info) -> dict:
         header["resumed_from"]["batch"] = start_micro
     header["skipped_steps"] = 0
     header["overflow_steps"] = 0  # fp16: micro-batches the loss scaler skipped (overflows)
-    report = RunReport(out, header, is_root=info.is_root, tensorboard=cfg.tensorboard)
+    report = RunReport(out, header, is_root=info.is_root, tensorboard=cfg.tensorboard,
+                       broadcast_object=collectives.broadcast_object)
     if resumed:
         report.epochs = [EpochMetrics(**e) for e in resumed["metrics"]]
         log.info("resumed after epoch %d%s (made with %d ranks, global batch %d)",
@@ -353,7 +353,7 @@ def _fit(cfg: TrainConfig, info) -> dict:
     callbacks = fit_callbacks(optimizer, warmup_epochs=cfg.warmup_epochs,
                               steps_per_epoch=steps_per_epoch)
     flags = optimizer.hvdtrain_allreduce.preempt = PreemptFlags()  # in the gradient all-reduce
-    preemption = _Preemption(flags, k, signals)
+    preemption = StopOnSignal(flags, k, signals)
     state = {"info": info, "x_test": x_test, "y_test": split.y_test, "out": out, "k": k,
              "batch_size": cfg.batch_size, "micro_per_epoch": micro_per_epoch,
              "report": report, "warmup": callbacks[-1], "preemption": preemption,
@@ -372,24 +372,23 @@ def _fit(cfg: TrainConfig, info) -> dict:
     first = start_epoch + (1 if start_micro else 0)
     if first < cfg.epochs:
         phases.append((first, cfg.epochs, micro_per_epoch, 0))
-    with signals, report.board, report.stops_on_nonfinite(hold=lambda: _backend.broadcast_object(
-            None, root_rank=0, name="hvdtrain.nonfinite.stop")):
+    with signals, report.board, report.stops_on_nonfinite():
         for initial, end, steps, done in phases:
             dataset = sharding.shard_dataset(
                 x_train, split.y_train, batch_size=cfg.batch_size, seed=cfg.seed, info=info,
                 backward_passes_per_step=k, start_batch=initial * micro_per_epoch + done)
             preemption.offset = done
-            points = _StepPoints(meter, state, offset=done)
+            points = StepPoints(meter, state, offset=done)
             slow = ([SlowSteps(cfg.slow_fault(), k, micro_per_epoch, done)]
                     if cfg.fault_slow_from else [])
             model.fit(dataset, initial_epoch=initial, epochs=end, steps_per_epoch=steps,
                       callbacks=[*callbacks, epoch_end, *slow, preemption, points],
                       verbose=1 if (info.is_root and cfg.progress) else 0)
             if preemption.stopped:
-                _preempted(state, model, epoch_end, signals)
+                preempted_stop(state, model, epoch_end, signals)
     # Every rank must hold the same weights; a divergence would be a bug worth knowing about.
     checksum = float(sum(np.asarray(w, dtype=np.float64).sum() for w in model.get_weights()))
-    report.header["ranks_agree"] = len(set(_backend.allgather_object(checksum))) == 1
+    report.header["ranks_agree"] = len(set(collectives.allgather_object(checksum))) == 1
     if info.is_root:
         report.write()
     return report.to_dict()

@@ -7,21 +7,18 @@ loop.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import keras
 import numpy as np
 from keras import ops
 
 from hvdtrain import preempt, runtime
-from hvdtrain.keras import _backend, adapter, checkpoint
+from hvdtrain.keras import collectives, adapter, checkpoint
+from hvdtrain.report import stop_together
 from hvdtrain.tensorboard import StepMeter
 
-if TYPE_CHECKING:
-    from hvdtrain.keras.trainer import _EpochEnd
 
-
-def _save(s: dict, epoch_done: int, batch: int, partial_per_rank: list | None, epochs: list,
+def save_checkpoint(s: dict, epoch_done: int, batch: int, partial_per_rank: list | None, epochs: list,
           model) -> None:
     """Rank 0 writes the checkpoint (``checkpoint.npz`` and ``checkpoint.weights.h5``)."""
     info, optimizer = s["info"], s["optimizer"]
@@ -38,7 +35,7 @@ def _save(s: dict, epoch_done: int, batch: int, partial_per_rank: list | None, e
     checkpoint.save_weights(s["out"] / checkpoint.WEIGHTS_FILE, model)
 
 
-class _Preemption(keras.callbacks.Callback):
+class StopOnSignal(keras.callbacks.Callback):
     """Stops ``fit`` on every rank after the same optimizer step once any rank got SIGTERM or
     SIGUSR1 (:mod:`hvdtrain.preempt`): a rank that saw a signal sets its
     :class:`~hvdtrain.keras.optimizer.PreemptFlags` before the next batch, the step's gradient
@@ -78,7 +75,7 @@ class _Preemption(keras.callbacks.Callback):
             self.model.stop_training = True
 
 
-class _StepPoints(keras.callbacks.Callback):
+class StepPoints(keras.callbacks.Callback):
     """Rank 0's per-step TensorBoard points (:class:`~hvdtrain.tensorboard.StepMeter`) every
     ``--log-every`` optimizer steps (every k-th batch is an all-reduce and an optimizer step),
     from the training loss's running sums; nothing is read from the device between points.
@@ -121,17 +118,17 @@ class _StepPoints(keras.callbacks.Callback):
                              self.micro // k)
 
 
-def _preempted(s: dict, model, epoch_end: _EpochEnd, signals: preempt.Preemption) -> None:
+def preempted_stop(s: dict, model, epoch_end, signals: preempt.Preemption) -> None:
     """After ``fit`` stopped on a signal, on every rank: gather each rank's share of the
     unfinished epoch, let rank 0 write the mid-epoch checkpoint (the others wait for it), record
     the stop in ``metrics.json``, requeue under Slurm, and raise
     :class:`~hvdtrain.preempt.Preempted`."""
     info, cfg, stopped = s["info"], s["cfg"], s["preemption"].stopped
     adapter.sync_buffers(model)  # the saved model's BatchNorm statistics: averaged over ranks
-    per_rank = _backend.allgather_object(epoch_end.partial(), name="hvdtrain.preempt")
-    _save(s, stopped["epoch"], stopped["batch"], per_rank if stopped["batch"] else None,
+    per_rank = collectives.allgather_object(epoch_end.partial(), name="hvdtrain.preempt")
+    save_checkpoint(s, stopped["epoch"], stopped["batch"], per_rank if stopped["batch"] else None,
           s["report"].epochs, model)
-    waited = _backend.allgather_object(signals.seconds_since_signal(),
+    waited = collectives.allgather_object(signals.seconds_since_signal(),
                                        name="hvdtrain.preempt.saved")
     seconds = max((w for w in waited if w is not None), default=None)
     step = int(ops.convert_to_numpy(s["optimizer"].iterations))
@@ -139,7 +136,7 @@ def _preempted(s: dict, model, epoch_end: _EpochEnd, signals: preempt.Preemption
                         step, seconds, cfg.requeue, info.is_root)
     # The other ranks wait for rank 0's report and requeue: launchers end the whole job when the
     # first rank exits.
-    _backend.broadcast_object(None, root_rank=0, name="hvdtrain.preempt.done")
+    stop_together(collectives.broadcast_object, "preempt.done")
     raise preempt.Preempted(stopped["signal"], seconds)
 
 

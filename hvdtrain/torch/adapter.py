@@ -25,7 +25,7 @@ import torch
 from hvdtrain import accumulation, runtime, schedule
 from hvdtrain.launch import tuning
 from hvdtrain.accumulation import check_distribute_args, leading_dim
-from hvdtrain.torch.buffers import _dense_layout_tensors_, convert_sync_batchnorm
+from hvdtrain.torch.buffers import dense_layout_tensors_, convert_sync_batchnorm
 # Also importable from here (they lived here before torch/buffers.py and torch/scheduler.py);
 # the trainer calls them as adapter.sync_buffers and adapter.warmup.
 from hvdtrain.torch.buffers import sync_buffers  # noqa: F401
@@ -172,7 +172,7 @@ def _broadcast_tensors_(tensors: list[tuple[str, torch.Tensor]], root_rank: int)
     """Broadcast each tensor from ``root_rank`` in place, all in flight at once (Horovod fuses
     them). Non-contiguous tensors (e.g. ``torch.channels_last``) go through a contiguous copy,
     since Horovod's collectives need contiguous memory."""
-    _dense_layout_tensors_(tensors, lambda t, n: hvd.broadcast_async_(t, root_rank, name=n))
+    dense_layout_tensors_(tensors, lambda t, n: hvd.broadcast_async_(t, root_rank, name=n))
 
 
 def broadcast_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -337,7 +337,8 @@ def tensor_prefix(call: int) -> str:
 def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                backward_passes_per_step: int = 1, lr_scaling: str | None = None,
                compression: str = "none", op: str = "average", root_rank: int = 0,
-               gradient_predivide_factor: float = 1.0, sync_batchnorm: bool = False):
+               gradient_predivide_factor: float = 1.0, sync_batchnorm: bool = False,
+               broadcast: bool = True):
     """Turn a single-process model and optimizer into synchronous data-parallel ones.
 
     1. Sets each param group's ``lr`` to its base rate x ``schedule.scale_factor(lr_scaling, size,
@@ -385,6 +386,9 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
             (Horovod's layer accepts CUDA tensors only). Without it, BatchNorm running
             statistics drift apart across ranks; call :func:`sync_buffers` before evaluating or
             saving.
+        broadcast: broadcast parameters, buffers and optimizer state from ``root_rank``
+            (default). False for Horovod Elastic, whose ``TorchState.sync()`` broadcasts on every
+            rank at the start and at each reset.
 
     Returns:
         ``(model, optimizer)``: the same model (now equal on all ranks) and the wrapped optimizer,
@@ -449,5 +453,6 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     # dicts with copies and leave a scheduler built on them driving dicts no longer used.)
     for p, state in optimizer.state.items():
         wrapped.state[p] = state
-    broadcast_state(model, wrapped, root_rank)
+    if broadcast:
+        broadcast_state(model, wrapped, root_rank)
     return model, wrapped

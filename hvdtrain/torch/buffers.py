@@ -11,7 +11,7 @@ import torch
 from hvdtrain import runtime
 
 
-def _dense_layout_tensors_(tensors: list[tuple[str, torch.Tensor]], collective) -> None:
+def dense_layout_tensors_(tensors: list[tuple[str, torch.Tensor]], collective) -> None:
     """Run ``collective(buffer, name) -> handle`` on each tensor, all in flight at once, through a
     contiguous copy where the tensor is not contiguous; then wait and copy results back in place."""
     pending = []
@@ -59,8 +59,8 @@ def sync_buffers(model: torch.nn.Module, op: str = "average", root_rank: int = 0
         return len(buffers)
     averaged = [(n, b) for n, b in buffers if op == "average" and b.is_floating_point()]
     copied = [(n, b) for n, b in buffers if not (op == "average" and b.is_floating_point())]
-    _dense_layout_tensors_(averaged, lambda t, n: hvd.allreduce_async_(t, op=hvd.Average, name=n))
-    _dense_layout_tensors_(copied, lambda t, n: hvd.broadcast_async_(t, root_rank, name=n))
+    dense_layout_tensors_(averaged, lambda t, n: hvd.allreduce_async_(t, op=hvd.Average, name=n))
+    dense_layout_tensors_(copied, lambda t, n: hvd.broadcast_async_(t, root_rank, name=n))
     return len(buffers)
 
 

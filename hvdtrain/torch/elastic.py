@@ -34,7 +34,6 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from hvdtrain import datasets, runtime, schedule
-from hvdtrain.launch import tuning
 from hvdtrain.config import TrainConfig
 from hvdtrain.report import ElasticReport, EpochMetrics, run_header, setup_logging
 from hvdtrain.torch import adapter, checkpoint
@@ -62,25 +61,23 @@ def fit_elastic(cfg: TrainConfig) -> dict:
         guard.DivergenceError: the run diverged (every rank, ``reported`` True; ``diverged``).
     """
     cfg = dataclasses.replace(cfg, warmup_epochs=0.0)  # recorded as run: no warmup
-    settings = tuning.rank_settings(on_gpu=False)  # elastic runs on the CPU
-    hvd.init()
-    settings = tuning.settings_in_effect(settings, hvd.mpi_enabled())
-    seed = runtime.rank_seed(cfg.seed, hvd.rank())
-    torch.manual_seed(seed)
-    torch.set_num_threads(runtime.thread_budget(hvd.local_size()))
-    setup_logging(hvd.rank())
+    info = adapter.init(cfg.seed, device="cpu")  # elastic runs on the CPU
+    setup_logging(info.rank)
     split = datasets.load(cfg.dataset, test_fraction=cfg.test_fraction,
-                      synthetic_samples=cfg.synthetic_samples, data_dir=cfg.data_dir or None)
+                          synthetic_samples=cfg.synthetic_samples, data_dir=cfg.data_dir or None)
     train_set = TensorDataset(torch.from_numpy(split.x_train), torch.from_numpy(split.y_train))
     x_test, y_test = torch.from_numpy(split.x_test), torch.from_numpy(split.y_test)
     sampler = hvd.elastic.ElasticSampler(train_set, shuffle=True, seed=cfg.seed)
     loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler)
 
-    model = build_model(split.num_classes, split.x_train.shape[-1])
+    model = build_model(split.num_classes, split.x_train.shape[-1], cfg.dropout, cfg.batchnorm)
     # foreach=False: the plain per-parameter SGD. (Horovod 0.28.1's state sync keeps None
     # options as they are; an earlier note here said otherwise.)
     base = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, foreach=False)
-    optimizer = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    # No broadcast here: TorchState.sync() broadcasts on every rank at the start and each reset.
+    model, optimizer = adapter.distribute(model, base, lr_scaling=cfg.lr_scaling,
+                                          compression=cfg.compression, op=cfg.op,
+                                          broadcast=False)
     out = Path(cfg.output_dir)
 
     def set_lr() -> None:
@@ -105,9 +102,6 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                     optimizer.param_groups[0]["lr"])
 
     state.register_reset_callbacks([on_reset])
-    info = runtime.RankInfo(hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size(),
-                            torch.get_num_threads(), seed, hvd.cross_size(),
-                            horovod_settings=settings)
     header = run_header("torch", cfg, info, len(train_set), len(x_test), len(loader),
                         {"torch": torch.__version__, "horovod": horovod.__version__})
     header["elastic"] = True

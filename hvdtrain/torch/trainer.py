@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from hvdtrain import datasets, preempt, runtime, schedule
 from hvdtrain.config import TrainConfig
-from hvdtrain.report import EpochMetrics, RunReport, run_header, setup_logging
+from hvdtrain.report import EpochMetrics, RunReport, run_header, setup_logging, stop_together
 from hvdtrain.tensorboard import StepMeter
 from hvdtrain.torch import adapter, checkpoint
 from hvdtrain.torch.models import build_model
@@ -213,7 +213,8 @@ def fit(cfg: TrainConfig) -> dict:
                               if resumed else None)
     if resumed:
         header["resumed_from"]["batch"] = start_batch
-    report = RunReport(out, header, is_root=info.is_root, tensorboard=cfg.tensorboard)
+    report = RunReport(out, header, is_root=info.is_root, tensorboard=cfg.tensorboard,
+                       broadcast_object=hvd.broadcast_object)
     meter = StepMeter(report.board, cfg.log_every, cfg.global_batch(info.size),
                       cfg.batch_size * info.size)
     if resumed:
@@ -244,8 +245,7 @@ def fit(cfg: TrainConfig) -> dict:
                 "counters": {"skipped": skipped, "overflows": overflows},
                 "metrics": [vars(e) for e in epochs]})
 
-    with signals, report.board, report.stops_on_nonfinite(hold=lambda: hvd.broadcast_object(
-            None, root_rank=0, name="hvdtrain.nonfinite.stop")):
+    with signals, report.board, report.stops_on_nonfinite():
         for epoch in range(start_epoch, cfg.epochs):
             skip = start_batch if epoch == start_epoch else 0
             sampler.set_epoch(epoch)
@@ -342,7 +342,7 @@ def fit(cfg: TrainConfig) -> dict:
             bar.close()
             if agreed:  # every rank: the same step, the same branch
                 adapter.sync_buffers(model)
-                _preempted(save, signals, agreed, report, info, cfg, {
+                preempted_stop(save, signals, agreed, report, info, cfg, {
                     "epoch": epoch, "batch": done, "step": step,
                     "partial": {"loss_sum": loss_sum.item(), "correct": correct.item(),
                                 "seen": seen.item(), "steps": steps, "steps_taken": steps_taken,
@@ -360,9 +360,8 @@ def fit(cfg: TrainConfig) -> dict:
                                    epoch_lr, steps, epoch_seconds, totals["n"] / epoch_seconds)
             report.header["skipped_steps"] = skipped
             report.header["overflow_steps"] = overflows
-            report.check_divergence(  # before its checkpoint; rank 0 reports, then all stop
-                metrics, cfg, split.num_classes,
-                hold=lambda: hvd.broadcast_object(None, root_rank=0, name="hvdtrain.diverged"))
+            # Before its checkpoint; rank 0 reports, then all stop together.
+            report.check_divergence(metrics, cfg, split.num_classes)
             save(epoch + 1, 0, None, report.epochs + [metrics])
             report.add(metrics)
     # Every rank must hold the same weights and buffers; a divergence would be a bug worth
@@ -375,7 +374,7 @@ def fit(cfg: TrainConfig) -> dict:
     return report.to_dict()
 
 
-def _preempted(save, signals: preempt.Preemption, agreed: str, report: RunReport, info, cfg,
+def preempted_stop(save, signals: preempt.Preemption, agreed: str, report: RunReport, info, cfg,
                where: dict) -> None:
     """After the step in which some rank saw SIGTERM/SIGUSR1: write the mid-epoch checkpoint
     (rank 0), record the stop in ``metrics.json`` and requeue under Slurm (rank 0), then raise
@@ -386,5 +385,5 @@ def _preempted(save, signals: preempt.Preemption, agreed: str, report: RunReport
     seconds = max((w for w in waited if w is not None), default=None)
     preempt.record_stop(report, agreed, where["epoch"] + 1, where["batch"], where["step"], seconds,
                         cfg.requeue, info.is_root)
-    hvd.broadcast_object(None, root_rank=0, name="hvdtrain.preempt.done")
+    stop_together(hvd.broadcast_object, "preempt.done")
     raise preempt.Preempted(agreed, seconds)

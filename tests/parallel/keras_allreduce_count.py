@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 import keras  # noqa: E402
 
 import hvdtrain.keras as hk  # noqa: E402
-from hvdtrain.keras._backend import hvd  # noqa: E402
+from hvdtrain.keras.collectives import hvd  # noqa: E402
 from hvdtrain.timeline import count_ops, load_events  # noqa: E402
 from hvdtrain.keras.models import build_model  # noqa: E402
 

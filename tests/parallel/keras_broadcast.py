@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 import keras  # noqa: E402
 
 import hvdtrain.keras as hk  # noqa: E402
-from hvdtrain.keras._backend import allgather_object  # noqa: E402
+from hvdtrain.keras.collectives import allgather_object  # noqa: E402
 
 
 def model_with_buffers() -> keras.Model:

@@ -40,7 +40,7 @@ class CountSteps(keras.callbacks.Callback):
 
 def parallel(args) -> None:
     import hvdtrain.keras as hk
-    from hvdtrain.keras._backend import allgather_object
+    from hvdtrain.keras.collectives import allgather_object
 
     info = hk.init(seed=SEED, threads=1)
     model = build_model()

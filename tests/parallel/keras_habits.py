@@ -19,7 +19,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import hvdtrain.keras as hk  # noqa: E402
-from hvdtrain.keras import _backend as B  # noqa: E402
+from hvdtrain.keras import collectives as B  # noqa: E402
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 rng = np.random.default_rng(0)

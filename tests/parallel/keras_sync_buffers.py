@@ -12,7 +12,7 @@ import numpy as np
 import keras
 
 import hvdtrain.keras as hk
-from hvdtrain.keras._backend import allgather_object
+from hvdtrain.keras.collectives import allgather_object
 
 
 def stats(model):
