@@ -44,7 +44,7 @@ class TrainConfig:
         backward_passes_per_step: micro-batches accumulated per optimizer step (k), >= 1.
         lr: base learning rate, tuned for one process with one local batch per step, > 0.
         momentum: SGD momentum in [0, 1).
-        dropout: dropout probability before the model's last layer, in [0, 1) (PyTorch).
+        dropout: dropout probability before the model's last layer, in [0, 1).
         lr_scaling: ``"linear"``, ``"sqrt"`` or ``"none"`` (see :mod:`hvdtrain.schedule`).
         warmup_epochs: epochs of gradual warmup from ``lr`` to the scaled rate, >= 0.
         compression: gradient compression for the all-reduce, ``"none"`` or ``"fp16"``.
@@ -240,8 +240,6 @@ class TrainConfig:
             raise ConfigError(f"--momentum must be in [0, 1); got {self.momentum!r}")
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"--dropout must be in [0, 1); got {self.dropout!r}")
-        if self.dropout and self.framework != "torch":
-            raise ConfigError("--dropout is available with --framework torch only; drop it")
         if not self.warmup_epochs >= 0:
             raise ConfigError(f"--warmup-epochs must be >= 0; got {self.warmup_epochs!r}")
         if not 0 < self.test_fraction < 1:

@@ -86,13 +86,14 @@ def run_header(framework: str, cfg, info, train_samples: int, test_samples: int,
             "horovod_settings": info.horovod_settings,
             "config": cfg.to_dict(), "versions": dict(versions),
             # Filled in by the trainer where it applies: the checkpoint resumed from, optimizer
-            # steps skipped for non-finite losses (None: not checked), whether every rank
+            # steps skipped for non-finite losses and (fp16) for overflowing gradients (kept
+            # current, so a run stopped in its first epoch records them too), whether every rank
             # ended with the same weights, the signal that stopped the run after a
             # checkpoint (hvdtrain.preempt), and why a run stopped with an error (the
             # divergence check; a non-finite loss with --on-nonfinite stop).
-            "resumed_from": None, "skipped_steps": None, "ranks_agree": None,
-            "preempted": None, "large_batch_warning": warning, "diverged": None,
-            "nonfinite_stop": None}
+            "resumed_from": None, "skipped_steps": 0, "overflow_steps": 0,
+            "ranks_agree": None, "preempted": None, "large_batch_warning": warning,
+            "diverged": None, "nonfinite_stop": None, "elastic": bool(cfg.elastic)}
 
 
 def setup_logging(rank: int) -> None:

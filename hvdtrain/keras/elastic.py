@@ -42,7 +42,7 @@ from hvdtrain.config import TrainConfig
 from hvdtrain.keras import collectives, adapter, checkpoint
 from hvdtrain.keras.optimizer import schedule_of
 from hvdtrain.keras.models import build_model
-from hvdtrain.keras.trainer import TrainLoss, framework_version, evaluate, load_nhwc
+from hvdtrain.keras.trainer import TrainLoss, backend_version, evaluate, load_nhwc
 from hvdtrain.report import ElasticReport, EpochMetrics, run_header, setup_logging
 
 log = logging.getLogger("hvdtrain")
@@ -199,9 +199,8 @@ def fit_elastic(cfg: TrainConfig) -> dict:
     steps_per_epoch = math.ceil(len(x_train) / (cfg.batch_size * info.size))
     header = run_header("keras", cfg, info, len(x_train), len(x_test), steps_per_epoch,
                         {"keras": keras.__version__, "keras_backend": adapter.backend(),
-                         adapter.backend(): framework_version(),
+                         adapter.backend(): backend_version(),
                          "horovod": horovod.__version__})
-    header["elastic"] = True
 
     report = ElasticReport(out, header, state, cfg, hvd.size, lambda: hvd.rank() == 0,
                            collectives.broadcast_object)
@@ -261,7 +260,7 @@ def fit_elastic(cfg: TrainConfig) -> dict:
             metrics = EpochMetrics(state.epoch + 1, state.loss_sum / seen, state.correct / seen,
                                    test_loss, test_acc, current_lr(),
                                    state.batch - state.epoch_skipped, seconds,
-                                   state.seen / seconds)
+                                   state.samples / seconds)
             entry = {**vars(metrics), "samples": state.samples, "sizes": list(state.sizes)}
             report.check_divergence(metrics, entry, split.num_classes)  # before its checkpoint
             state.history = state.history + [entry]

@@ -24,8 +24,8 @@ from hvdtrain.config import TrainConfig
 from hvdtrain.files import CheckpointError
 from hvdtrain.keras import collectives, adapter, checkpoint, sharding
 from hvdtrain.keras.callbacks import callbacks as fit_callbacks
-from hvdtrain.keras.trainer_callbacks import (SlowSteps, StopOnSignal, StepPoints, preempted_stop,
-                                              save_checkpoint)
+from hvdtrain.keras.trainer_callbacks import (SlowSteps, StepPoints, StopOnSignal, preempted_stop,
+                                              record_counters, save_checkpoint)
 from hvdtrain.keras.models import build_model
 from hvdtrain.keras.optimizer import PreemptFlags
 from hvdtrain.report import EpochMetrics, RunReport, run_header, setup_logging
@@ -220,14 +220,10 @@ class _EpochEnd(keras.callbacks.Callback):
         test_loss, test_acc = evaluate(self.model, s["x_test"], s["y_test"], info.rank, info.size)
         steps_now = int(ops.convert_to_numpy(optimizer.iterations))
         samples = s["micro_per_epoch"] * s["batch_size"] * info.size
-        skipped = self._skipped()
-        scaler = getattr(optimizer, "hvdtrain_loss_scale", None)
+        skipped = record_counters(s["report"], optimizer)
         steps = steps_now - self.steps
-        if scaler is None:  # a skipped step still advanced iterations; under fp16 it did not
-            steps -= skipped - self.skipped
-        else:
-            s["report"].header["overflow_steps"] = int(ops.convert_to_numpy(scaler.overflows))
-        s["report"].header["skipped_steps"] = skipped
+        if getattr(optimizer, "hvdtrain_loss_scale", None) is None:
+            steps -= skipped - self.skipped  # a skipped step still advanced iterations (not fp16)
         n = max(totals["n"], 1.0)
         metrics = EpochMetrics(epoch + 1, totals["loss"] / n, totals["correct"] / n, test_loss,
                                test_acc, self.lr, steps, seconds, samples / seconds)
@@ -239,7 +235,7 @@ class _EpochEnd(keras.callbacks.Callback):
             stopped.update(epoch=epoch + 1, batch=0)
 
 
-def framework_version() -> str:
+def backend_version() -> str:
     """The version of the framework under the Keras backend in use."""
     if adapter.backend() == "torch":
         import torch
@@ -313,17 +309,21 @@ def _fit(cfg: TrainConfig, info) -> dict:
     # A mid-epoch checkpoint (preemption) continues at its micro-batch at the same world size;
     # at another size the shards differ and the interrupted epoch restarts.
     start_micro = resumed["batch"] if resumed else 0
-    why = start_micro and preempt.mid_epoch_mismatch(resumed["config"], resumed["size"], cfg,
-                                                     info.size)
+    # Another world size, or options that fix the data stream (-k, --batch-size, ...), change
+    # what a micro-batch position means: the position is recomputed below.
+    moved = resumed and preempt.mid_epoch_mismatch(resumed["config"], resumed["size"], cfg,
+                                                   info.size)
+    why = start_micro and moved
     if why:
         log.warning("the checkpoint was made %d micro-batches into epoch %d, but %s: that epoch "
                     "restarts", start_micro, start_epoch + 1, why)
         start_micro = 0
-    # The data stream starts at this run's position, nothing is replayed. At the checkpoint's
-    # world size the restored optimizer counter is exact (fp16 skips and an open accumulation
-    # group included); at another size (or a restarted epoch) the position is recomputed and the
-    # group starts empty.
-    if resumed and (resumed["size"] != info.size or why):
+    # The data stream starts at this run's position, nothing is replayed. With the checkpoint's
+    # world size and data options the restored optimizer counter is exact (fp16 skips and an
+    # open accumulation group included); otherwise (another size, -k or --batch-size, or a
+    # restarted epoch) the position is recomputed, as the PyTorch trainer does, and the group
+    # starts empty.
+    if moved:
         adapter.set_micro_batch_count(optimizer, start_epoch * micro_per_epoch, reset_groups=True)
     checkpoint.restore_counters(optimizer, resumed["counters"] if resumed else {})
     train_loss = TrainLoss(optimizer, k, info.rank, cfg.fault())
@@ -332,19 +332,17 @@ def _fit(cfg: TrainConfig, info) -> dict:
     # (README, "jit_compile"); hvdtrain.keras.xla would keep the all-reduce outside it.
     model.compile(optimizer=optimizer, loss=train_loss, metrics=["accuracy"], jit_compile=False)
     out = Path(cfg.output_dir)
-    framework_version = {"tensorflow": "tensorflow", "torch": "torch"}[adapter.backend()]
     header = run_header("keras", cfg, info, len(x_train), len(x_test), steps_per_epoch,
                         {"keras": keras.__version__, "keras_backend": adapter.backend(),
-                         framework_version: framework_version(),
+                         adapter.backend(): backend_version(),
                          "horovod": horovod.__version__})
     header["resumed_from"] = ({k2: resumed[k2] for k2 in ("epoch", "size", "global_batch")}
                               if resumed else None)
     if resumed:
         header["resumed_from"]["batch"] = start_micro
-    header["skipped_steps"] = 0
-    header["overflow_steps"] = 0  # fp16: micro-batches the loss scaler skipped (overflows)
     report = RunReport(out, header, is_root=info.is_root, tensorboard=cfg.tensorboard,
                        broadcast_object=collectives.broadcast_object)
+    record_counters(report, optimizer)  # a resumed run's counts so far
     if resumed:
         report.epochs = [EpochMetrics(**e) for e in resumed["metrics"]]
         log.info("resumed after epoch %d%s (made with %d ranks, global batch %d)",

@@ -35,6 +35,19 @@ def save_checkpoint(s: dict, epoch_done: int, batch: int, partial_per_rank: list
     checkpoint.save_weights(s["out"] / checkpoint.WEIGHTS_FILE, model)
 
 
+def record_counters(report, optimizer) -> int:
+    """Put the run's optimizer steps skipped for a non-finite loss (``skipped_steps``) and, with
+    fp16, for overflowing gradients (``overflow_steps``) into ``report.header`` (kept current,
+    so a run stopped mid-epoch records them too). Returns ``skipped_steps``."""
+    guard = getattr(optimizer, "hvdtrain_nonfinite", None)
+    skipped = int(ops.convert_to_numpy(guard.skipped)) if guard is not None else 0
+    report.header["skipped_steps"] = skipped
+    scaler = getattr(optimizer, "hvdtrain_loss_scale", None)
+    if scaler is not None:
+        report.header["overflow_steps"] = int(ops.convert_to_numpy(scaler.overflows))
+    return skipped
+
+
 class StopOnSignal(keras.callbacks.Callback):
     """Stops ``fit`` on every rank after the same optimizer step once any rank got SIGTERM or
     SIGUSR1 (:mod:`hvdtrain.preempt`): a rank that saw a signal sets its
@@ -52,7 +65,7 @@ class StopOnSignal(keras.callbacks.Callback):
     def __init__(self, flags, k: int, signals: preempt.Preemption):
         super().__init__()
         self.flags, self.k, self.signals = flags, k, signals
-        self.pushed, self.stopped, self.offset, self.epoch = False, None, 0, 0
+        self.pushed, self.stopped, self.offset, self.epoch = None, None, 0, 0
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
@@ -61,9 +74,10 @@ class StopOnSignal(keras.callbacks.Callback):
         self.offset = 0
 
     def on_train_batch_begin(self, batch, logs=None):
-        if self.signals.seen and not self.pushed:
-            self.flags.requested.assign(np.asarray(self.signals.flags(), np.float32))
-            self.pushed = True
+        flags = self.signals.flags()  # pushed again when another signal came (TERM, then USR1)
+        if self.signals.seen and flags != self.pushed:
+            self.flags.requested.assign(np.asarray(flags, np.float32))
+            self.pushed = flags
 
     def on_train_batch_end(self, batch, logs=None):
         if (self.offset + batch + 1) % self.k:
@@ -124,6 +138,7 @@ def preempted_stop(s: dict, model, epoch_end, signals: preempt.Preemption) -> No
     the stop in ``metrics.json``, requeue under Slurm, and raise
     :class:`~hvdtrain.preempt.Preempted`."""
     info, cfg, stopped = s["info"], s["cfg"], s["preemption"].stopped
+    record_counters(s["report"], s["optimizer"])
     adapter.sync_buffers(model)  # the saved model's BatchNorm statistics: averaged over ranks
     per_rank = collectives.allgather_object(epoch_end.partial(), name="hvdtrain.preempt")
     save_checkpoint(s, stopped["epoch"], stopped["batch"], per_rank if stopped["batch"] else None,

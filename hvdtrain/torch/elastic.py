@@ -104,7 +104,6 @@ def fit_elastic(cfg: TrainConfig) -> dict:
     state.register_reset_callbacks([on_reset])
     header = run_header("torch", cfg, info, len(train_set), len(x_test), len(loader),
                         {"torch": torch.__version__, "horovod": horovod.__version__})
-    header["elastic"] = True
 
     report = ElasticReport(out, header, state, cfg, hvd.size, lambda: hvd.rank() == 0,
                            hvd.broadcast_object)
@@ -154,7 +153,7 @@ def fit_elastic(cfg: TrainConfig) -> dict:
             metrics = EpochMetrics(state.epoch + 1, state.loss_sum / seen, state.correct / seen,
                                    test_loss, test_acc, optimizer.param_groups[0]["lr"],
                                    state.batch - state.epoch_skipped, seconds,
-                                   state.seen / seconds)
+                                   state.samples / seconds)
             entry = {**vars(metrics), "samples": state.samples, "sizes": list(state.sizes)}
             report.check_divergence(metrics, entry, split.num_classes)  # before its checkpoint
             state.history = state.history + [entry]

@@ -225,6 +225,7 @@ def fit(cfg: TrainConfig) -> dict:
     fault, slow = cfg.fault(), cfg.slow_fault()
     counters = (resumed or {}).get("counters") or {}
     skipped, overflows = counters.get("skipped", 0), counters.get("overflows", 0)
+    report.header.update(skipped_steps=skipped, overflow_steps=overflows)
     adasum = cfg.op == "adasum"
     params = [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -260,6 +261,8 @@ def fit(cfg: TrainConfig) -> dict:
             seen = torch.tensor(part.get("seen", 0), dtype=torch.int64, device=device)
             group_nonfinite = torch.zeros((), dtype=torch.bool, device=device)
             steps, steps_taken = part.get("steps", 0), part.get("steps_taken", 0)
+            # Samples trained on, finite loss or not (throughput); ``seen`` counts the finite.
+            processed = part.get("processed", part.get("seen", 0))
             done = skip  # micro-batches of this epoch trained
             agreed = None
             start = time.perf_counter() - part.get("seconds", 0.0)
@@ -314,6 +317,7 @@ def fit(cfg: TrainConfig) -> dict:
                         with optimizer.skip_synchronize():
                             scaler.step(optimizer)
                         overflows += 1
+                        report.header["overflow_steps"] = overflows
                         log.debug("step %d: fp16 gradients overflowed at loss scale %g; skipped",
                                   step, scaler.get_scale())
                     else:
@@ -324,6 +328,7 @@ def fit(cfg: TrainConfig) -> dict:
                                            "step(), so it cannot be skipped" if adasum else ""))
                         log.warning("%s: step skipped on all ranks", message)
                         skipped += 1
+                        report.header["skipped_steps"] = skipped
                     scaler.update()
                     step_lr = optimizer.param_groups[0]["lr"]
                     scheduler.step()  # the schedule follows step, taken or skipped
@@ -336,6 +341,7 @@ def fit(cfg: TrainConfig) -> dict:
                                     correct.item(), seen.item(), done + 1, steps_taken)
                     agreed = preempt.agreed_signal(hvd.synchronize(stop).tolist())
                 done += 1
+                processed += micro.samples
                 bar.update()
                 if agreed:
                     break
@@ -345,11 +351,13 @@ def fit(cfg: TrainConfig) -> dict:
                 preempted_stop(save, signals, agreed, report, info, cfg, {
                     "epoch": epoch, "batch": done, "step": step,
                     "partial": {"loss_sum": loss_sum.item(), "correct": correct.item(),
-                                "seen": seen.item(), "steps": steps, "steps_taken": steps_taken,
+                                "seen": seen.item(), "processed": processed,
+                                "steps": steps, "steps_taken": steps_taken,
                                 "seconds": time.perf_counter() - start, "lr": epoch_lr}})
             seconds = time.perf_counter() - start
             totals = adapter.allreduce_sums({"loss": loss_sum.item(), "correct": correct.item(),
-                                             "n": seen.item(), "seconds": seconds},
+                                             "n": seen.item(), "processed": processed,
+                                             "seconds": seconds},
                                             name="hvdtrain.train")
             adapter.sync_buffers(model)  # equal BatchNorm statistics before evaluating and saving
             test_loss, test_acc = evaluate(model, x_test, y_test, info.rank, info.size,
@@ -357,9 +365,8 @@ def fit(cfg: TrainConfig) -> dict:
             epoch_seconds = totals["seconds"] / info.size  # mean wall time over ranks
             metrics = EpochMetrics(epoch + 1, totals["loss"] / max(totals["n"], 1),
                                    totals["correct"] / max(totals["n"], 1), test_loss, test_acc,
-                                   epoch_lr, steps, epoch_seconds, totals["n"] / epoch_seconds)
-            report.header["skipped_steps"] = skipped
-            report.header["overflow_steps"] = overflows
+                                   epoch_lr, steps, epoch_seconds,
+                                   totals["processed"] / epoch_seconds)
             # Before its checkpoint; rank 0 reports, then all stop together.
             report.check_divergence(metrics, cfg, split.num_classes)
             save(epoch + 1, 0, None, report.epochs + [metrics])

@@ -116,6 +116,7 @@ def test_elastic_survives_a_lost_worker_and_takes_a_new_one(tmp_path, framework)
 def elastic_local(tmp_path, framework, *train_args):
     """``hvdtrain launch --elastic`` with two workers on this host (a discovery script that
     reports ``localhost:2``); returns the finished process."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     discover = tmp_path / "discover.sh"
     discover.write_text("#!/bin/sh\necho localhost:2\n")
     discover.chmod(0o755)
@@ -223,3 +224,23 @@ def test_keras_elastic_grows_from_two_workers_to_three_on_this_host(tmp_path):
     assert m["final_test_accuracy"] >= 0.9, m["final_test_accuracy"]
     assert_board_matches(out, m["epochs"])
     assert epoch_points(out, "global_batch")[EPOCHS_GROWING] == 8 * 3  # batch 8 x 3 workers
+
+
+@pytest.mark.parametrize("framework", ["torch", "keras"])
+def test_elastic_trains_with_the_dropout_and_compression_asked_for(tmp_path, framework):
+    # Before: --elastic built the model without dropout and all-reduced without compression
+    # (torch ignored both; Keras hard-coded compression "none"), while metrics.json recorded
+    # them. Same seed and data: each option must change the numbers, and be recorded.
+    small = ["--epochs", "1", "--dataset", "synthetic", "--synthetic-samples", "1280"]
+    losses = {}
+    for name, extra in {"plain": [], "dropout": ["--dropout", "0.5"],
+                        "fp16": ["--compression", "fp16"]}.items():
+        proc = elastic_local(tmp_path / name, framework, *small, *extra)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        m = json.loads((tmp_path / name / "run" / "metrics.json").read_text())
+        assert m["elastic"] is True and m["skipped_steps"] == 0 and m["overflow_steps"] == 0
+        losses[name] = m["epochs"][0]["train_loss"]
+        if extra:
+            assert m["config"][extra[0][2:]] == (0.5 if name == "dropout" else "fp16")
+    print(framework, losses)
+    assert losses["dropout"] != losses["plain"] and losses["fp16"] != losses["plain"]

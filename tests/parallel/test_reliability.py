@@ -181,6 +181,10 @@ def test_nan_on_one_rank_skips_the_step_on_all_ranks(tmp_path, framework):
     assert m["skipped_steps"] == 1 and m["ranks_agree"] is True
     assert all(np.isfinite(e["train_loss"]) for e in m["epochs"])
     assert m["epochs"][0]["optimizer_steps"] == 44  # 45 per epoch, one skipped
+    # Throughput counts every sample trained on, the skipped step's too (before, the PyTorch
+    # trainer counted only finite ones, Keras all): both epochs processed the same samples.
+    processed = [e["samples_per_sec"] * e["seconds"] for e in m["epochs"]]
+    assert processed[0] == pytest.approx(processed[1], rel=1e-9)
 
 
 @FRAMEWORKS
@@ -195,6 +199,9 @@ def test_nan_with_stop_ends_the_job_with_a_clear_message(tmp_path, framework):
     assert m["nonfinite_stop"].startswith("non-finite loss on rank(s) [0] at optimizer step 3")
     assert m["nonfinite_stop"].endswith("stopped (--on-nonfinite stop). Lower --lr or check the data")
     assert m["epochs"] == [] and m["diverged"] is None
+    # The counters are recorded in the first epoch too (before: the PyTorch trainer wrote
+    # skipped_steps null and no overflow_steps when it stopped before an epoch's end).
+    assert m["skipped_steps"] == 0 and m["overflow_steps"] == 0 and m["elastic"] is False
 
 
 @FRAMEWORKS
@@ -220,3 +227,17 @@ def test_keras_torch_backend_nan_with_accumulation_skips_one_step_and_trains_on(
     assert [e["optimizer_steps"] for e in m["epochs"]] == [21, 22, 22]
     accuracy = [e["test_accuracy"] for e in m["epochs"]]  # it goes on learning after the skip
     assert accuracy[0] < accuracy[1] < accuracy[2] and accuracy[2] > 0.6
+
+
+def test_keras_resume_with_another_k_starts_whole_groups(tmp_path):
+    # Before: the micro-batch counter of a -k 2 checkpoint (44 micro-batches) was kept under
+    # -k 3, so the first resumed step applied one micro-batch's gradient / 3 and the run ended
+    # in the middle of a group: 29 optimizer steps, accumulators not empty.
+    run(train(tmp_path, "--epochs", "1", "-k", "2", "--no-progress", framework="keras"))
+    run(train(tmp_path, "--epochs", "2", "-k", "3", "--resume", "--no-progress",
+              framework="keras"))
+    m = metrics(tmp_path)
+    assert m["steps_per_epoch"] == 15  # 45 micro-batches of k=3 per epoch
+    record, _ = load_checkpoint(tmp_path, "keras")
+    assert record["step"] == 2 * 15
+    assert [e["optimizer_steps"] for e in m["epochs"]] == [22, 15]

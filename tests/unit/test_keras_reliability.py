@@ -147,3 +147,25 @@ def test_a_collective_failed_by_a_lost_worker_resets_the_elastic_loop(error, tex
         step(tf.errors.UnknownError(None, None, "something else"))
     with pytest.raises(ValueError):
         step(ValueError("Horovod"))
+
+
+def test_a_second_signal_in_the_same_group_is_pushed_too():
+    # Before: the flags were pushed once, so SIGTERM then SIGUSR1 inside one accumulation group
+    # stopped as SIGTERM and never requeued.
+    import signal
+
+    from hvdtrain import preempt
+    from hvdtrain.keras.optimizer import PreemptFlags
+    from hvdtrain.keras.trainer_callbacks import StopOnSignal
+    signals = preempt.Preemption(enabled=False)
+    flags = PreemptFlags()
+    stop = StopOnSignal(flags, k=4, signals=signals)
+    stop.on_train_batch_begin(0)
+    assert keras.ops.convert_to_numpy(flags.requested).tolist() == [0.0, 0.0]
+    signals._handle(signal.SIGTERM, None)
+    stop.on_train_batch_begin(1)
+    assert keras.ops.convert_to_numpy(flags.requested).tolist() == [1.0, 0.0]
+    signals._handle(signal.SIGUSR1, None)
+    stop.on_train_batch_begin(2)
+    assert keras.ops.convert_to_numpy(flags.requested).tolist() == [1.0, 1.0]
+    assert preempt.agreed_signal([1.0, 1.0]) == "SIGUSR1"
