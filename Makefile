@@ -5,7 +5,7 @@ VENV := $(CURDIR)/.venv
 PY := $(VENV)/bin/python
 NP ?= 2
 export PATH := $(VENV)/bin:$(PATH)
-# Ranks >= cores on small machines: idle MPI ranks yield instead of busy-polling (DESIGN.md).
+# Ranks >= cores on small machines: idle MPI ranks yield instead of busy-polling (docs/stack.md, section 3).
 export OMPI_MCA_mpi_yield_when_idle ?= 1
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 

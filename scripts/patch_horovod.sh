@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The source changes Horovod 0.28.1 needs to build here (see ../shared/DESIGN.md, section 1).
+# The source changes Horovod 0.28.1 needs to build here (docs/stack.md, section 2).
 # scripts/setup.sh runs it on the unpacked source archive before building.
 #
 #   bash scripts/patch_horovod.sh SRC [cpu|gpu]      # patch the source tree SRC in place

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Idempotent set-up of hvdtrain's stack on a fresh Debian machine (see ../shared/DESIGN.md).
+# Idempotent set-up of hvdtrain's stack on a fresh Debian machine (docs/stack.md).
 #
 #   bash scripts/setup.sh            # what `make setup` runs
 #   bash scripts/setup.sh --plan     # print what it would do and stop (or HVDTRAIN_SETUP_PLAN=1)

@@ -10,7 +10,7 @@ are unit-tested.
 
 Launching with ``srun`` needs Slurm's PMIx plugin: Open MPI (Debian's 4.1 included) is built with
 PMIx and without PMI-1/2, and ranks started by ``srun --mpi=pmi2`` or plain ``srun`` fail in
-``MPI_Init`` (seen on a one-node cluster, ``../shared/DESIGN.md``).
+``MPI_Init`` (seen on a one-node cluster, docs/stack.md section 5).
 """
 from __future__ import annotations
 

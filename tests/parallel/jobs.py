@@ -22,7 +22,7 @@ TIMEOUT = 600  # seconds; a hung collective fails the test instead of the CI run
 def job_env() -> dict:
     env = dict(os.environ)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
-    # Ranks >= cores here: let idle MPI ranks yield instead of busy-polling (see DESIGN.md).
+    # Ranks >= cores here: let idle MPI ranks yield instead of busy-polling (docs/stack.md, section 3).
     env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     env["PYTHONUNBUFFERED"] = "1"
     return env

@@ -123,7 +123,7 @@ def _dockerignored(path, patterns):
 
 def test_dockerignore_leaves_out_the_hosts_venv_git_and_runs():
     """Without .dockerignore, `COPY . .` took the host's .venv into the image and the build failed
-    (../shared/DESIGN.md, "Containers without a registry")."""
+    (docs/stack.md, "Containers without a registry")."""
     lines = (ROOT / ".dockerignore").read_text().splitlines()
     patterns = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
     for path in (".venv", ".venv/bin/python3.11", ".git", ".git/HEAD", "runs",
