@@ -80,7 +80,7 @@ def would_stop(epochs: list[dict], warmup_epochs: float,
     """hvdtrain's divergence check replayed after every epoch, as the trainer runs it.
 
     Args:
-        epochs: ``metrics.json``'s ``epochs`` (dicts of :class:`hvdtrain.report.EpochMetrics`).
+        epochs: ``metrics.json``'s ``epochs`` (dicts of :class:`hvdtrain.run.report.EpochMetrics`).
         warmup_epochs: the run's warmup in epochs.
         num_classes: classes in the dataset (chance accuracy is their inverse).
 
@@ -88,7 +88,7 @@ def would_stop(epochs: list[dict], warmup_epochs: float,
         ``(epoch, message)`` of the first epoch :func:`hvdtrain.guard.divergence` flags, or None.
     """
     from hvdtrain.guard import divergence
-    from hvdtrain.report import EpochMetrics
+    from hvdtrain.run.report import EpochMetrics
     history = [EpochMetrics(**e) for e in epochs]
     for i in range(1, len(history) + 1):
         why = divergence(history[:i], warmup_epochs, num_classes)

@@ -104,7 +104,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     """Validate the options, then run the framework's trainer; 0 on success, 2 on bad input, 1
     when ``--on-nonfinite stop`` or the divergence check (:mod:`hvdtrain.guard`) stopped the
-    run, 75 (:data:`hvdtrain.preempt.EXIT_PREEMPTED`)
+    run, 75 (:data:`hvdtrain.run.preempt.EXIT_PREEMPTED`)
     when SIGTERM/SIGUSR1 stopped it after a checkpoint."""
     fields = {k: v for k, v in vars(args).items() if k not in ("command", "func")}
     try:
@@ -186,7 +186,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from hvdtrain.files import write_json
-    from hvdtrain.report import METRICS_FILE
+    from hvdtrain.run.report import METRICS_FILE
     rows = []
     for run_dir in args.run_dirs:
         path = Path(run_dir) / METRICS_FILE

@@ -59,7 +59,7 @@ class TrainConfig:
             job script serves the first run and every requeue). ``True``/``False`` mean
             ``"yes"``/``""``.
         requeue: after a preemption checkpoint made on ``SIGUSR1`` in a Slurm batch job, requeue
-            the job (``scontrol requeue``; :mod:`hvdtrain.preempt`).
+            the job (``scontrol requeue``; :mod:`hvdtrain.run.preempt`).
         on_nonfinite: what to do when any rank's loss is NaN/Inf: ``"skip"`` the optimizer step
             on every rank, or ``"stop"`` the job (PyTorch).
         fault_nan_at: fault injection for drills and tests, ``"RANK:STEP"``: that rank's loss

@@ -288,7 +288,7 @@ class NonFiniteLossError(RuntimeError):
 
     Attributes:
         reported: rank 0 recorded it in ``metrics.json`` and printed it already, before the ranks
-            stopped together (:meth:`hvdtrain.report.RunReport.stops_on_nonfinite`).
+            stopped together (:meth:`hvdtrain.run.report.RunReport.stops_on_nonfinite`).
     """
 
     def __init__(self, message: str, reported: bool = False):

@@ -59,7 +59,7 @@ class Board:
                 self._writer.add_scalar(f"step/{name}", float(value), global_step=step)
 
     def epoch(self, metrics, global_batch: int) -> None:
-        """Write an epoch's :class:`~hvdtrain.report.EpochMetrics` as ``epoch/<field>`` at
+        """Write an epoch's :class:`~hvdtrain.run.report.EpochMetrics` as ``epoch/<field>`` at
         ``metrics.epoch``, then flush (an epoch's numbers appear at once)."""
         if self._writer is None:
             return

@@ -29,7 +29,6 @@ import logging
 import os
 
 import keras
-import numpy as np
 from keras import ops
 
 from hvdtrain import runtime, schedule
@@ -37,8 +36,11 @@ from hvdtrain.launch import tuning
 from hvdtrain.accumulation import check_distribute_args
 from hvdtrain.keras import collectives as B
 from hvdtrain.keras import xla
-from hvdtrain.keras.optimizer import (NonFiniteGuard, WarmupSchedule, _Allreduce, _LossScaleHooks,
-                                      inner, settable_learning_rate, zero_accumulators)
+# Also importable from here (the trainers call adapter.allreduce_sums, ...).
+from hvdtrain.keras.collectives import allreduce_sums, ranks_where  # noqa: F401
+from hvdtrain.keras.optimizer import (GradientAllreduce, LossScaleHooks, NonFiniteGuard,
+                                      WarmupSchedule, inner, micro_batch_count,  # noqa: F401
+                                      set_micro_batch_count, settable_learning_rate)
 from hvdtrain.keras.sharding import ShardedDataset
 
 _OPS = {"average": "average"}
@@ -134,32 +136,8 @@ def rank_info() -> runtime.RankInfo:
     return runtime.remembered_rank_info("hvdtrain.keras.init()")
 
 
-def allreduce_sums(values: dict[str, float], name: str = "hvdtrain.metrics") -> dict[str, float]:
-    """Sum scalar values over all ranks, in float64, in one all-reduce (eager).
-
-    Every rank must pass the same keys (sorted before the all-reduce).
-
-    Returns:
-        ``{key: global sum}``.
-    """
-    keys = sorted(values)
-    summed = B.allreduce_numpy(np.array([float(values[k]) for k in keys], np.float64), "sum",
-                               name)
-    return dict(zip(keys, summed.tolist()))
-
-
-def ranks_where(flag: bool, name: str = "hvdtrain.flag") -> list[int]:
-    """The ranks on which ``flag`` is true, known to every rank after one all-reduce (a vector of
-    ``size`` numbers). Every rank must call it at the same point.
-
-    Returns:
-        Sorted ranks (empty when the flag is false everywhere).
-    """
-    return runtime.ranks_where(flag, B.hvd.rank(), B.hvd.size(),
-                               lambda values: allreduce_sums(values, name=name))
-
-
 # ---- model state ----------------------------------------------------------------------------
+
 
 def _require_built(model: keras.Model) -> None:
     if not model.built or not model.weights:
@@ -247,10 +225,10 @@ def distribute(model: keras.Model, optimizer: keras.optimizers.Optimizer, *,
        group. Give ``fit`` a whole number of groups per epoch (:func:`shard_dataset` does), or
        the last group of an epoch is carried into the next one.
     2. All-reduce: the optimizer's gradients go through one grouped all-reduce per step (average
-       over ranks, optional fp16 compression; :class:`_Allreduce`), before clipping, weight decay
+       over ranks, optional fp16 compression; :class:`GradientAllreduce`), before clipping, weight decay
        and the update. A ``LossScaleOptimizer`` (fp16) keeps its loss scale equal on every rank:
        its overflow check is all-reduced (one ``size + 1``-float all-reduce per micro-batch),
-       and overflows are counted apart from non-finite losses (:class:`_LossScaleHooks`,
+       and overflows are counted apart from non-finite losses (:class:`LossScaleHooks`,
        ``optimizer.hvdtrain_loss_scale.overflows``).
     3. Learning rate: the optimizer's rate (a float or a ``LearningRateSchedule``) becomes a
        :class:`WarmupSchedule` multiplied by ``schedule.scale_factor(lr_scaling, size, k)``
@@ -346,12 +324,12 @@ def distribute(model: keras.Model, optimizer: keras.optimizers.Optimizer, *,
     guard = (NonFiniteGuard(on_nonfinite, B.hvd.size() if broadcast else None)
              if on_nonfinite else None)
     # Under a loss-scale optimizer only finite gradients reach the inner optimizer: the global
-    # check happens before it (_LossScaleHooks), which also feeds the guard.
-    hooks = _Allreduce(owner, compression, float(gradient_predivide_factor),
+    # check happens before it (LossScaleHooks), which also feeds the guard.
+    hooks = GradientAllreduce(owner, compression, float(gradient_predivide_factor),
                        guard if owner is optimizer else None, B.hvd.rank(), B.hvd.size(),
                        elastic=not broadcast)
     if owner is not optimizer:
-        optimizer.hvdtrain_loss_scale = _LossScaleHooks(optimizer, guard, B.hvd.rank(),
+        optimizer.hvdtrain_loss_scale = LossScaleHooks(optimizer, guard, B.hvd.rank(),
                                                         B.hvd.size())
     if broadcast:
         broadcast_state(model, optimizer, root_rank)
@@ -410,22 +388,6 @@ def _sharded_defaults(model: keras.Model) -> None:
 
     model.hvdtrain_fit = sharded_fit
     model.fit, model.evaluate = sharded_fit, sharded_evaluate
-
-
-def micro_batch_count(optimizer) -> int:
-    """Micro-batches the distributed optimizer has applied or accumulated (Keras's internal
-    counter; with k > 1 ``optimizer.iterations`` counts optimizer steps; under a
-    ``LossScaleOptimizer`` skipped micro-batches are not counted)."""
-    return int(ops.convert_to_numpy(inner(optimizer)._iterations))
-
-
-def set_micro_batch_count(optimizer, count: int, reset_groups: bool = False) -> None:
-    """Set the micro-batch counter (a resumed run's position; the LR schedule follows it);
-    ``reset_groups``: also empty the gradient accumulators (an open group does not carry over)."""
-    inner(optimizer)._iterations.assign(int(count))
-    if reset_groups:
-        zero_accumulators(optimizer)
-
 
 
 os.environ.setdefault("KERAS_BACKEND", B.NAME)  # child processes get the same backend

@@ -11,6 +11,8 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from hvdtrain import runtime
+
 NAME = keras.backend.backend()
 if NAME == "tensorflow":
     import tensorflow as tf
@@ -100,3 +102,27 @@ def broadcast_object(obj, root_rank: int = 0, name: str | None = None):
 def allgather_object(obj, name: str | None = None) -> list:
     """Horovod's ``allgather_object`` (a list with every rank's object, in rank order)."""
     return hvd.allgather_object(obj, name=name)
+
+
+def allreduce_sums(values: dict[str, float], name: str = "hvdtrain.metrics") -> dict[str, float]:
+    """Sum scalar values over all ranks, in float64, in one all-reduce (eager).
+
+    Every rank must pass the same keys (sorted before the all-reduce).
+
+    Returns:
+        ``{key: global sum}``.
+    """
+    keys = sorted(values)
+    summed = allreduce_numpy(np.array([float(values[k]) for k in keys], np.float64), "sum", name)
+    return dict(zip(keys, summed.tolist()))
+
+
+def ranks_where(flag: bool, name: str = "hvdtrain.flag") -> list[int]:
+    """The ranks on which ``flag`` is true, known to every rank after one all-reduce (a vector of
+    ``size`` numbers). Every rank must call it at the same point.
+
+    Returns:
+        Sorted ranks (empty when the flag is false everywhere).
+    """
+    return runtime.ranks_where(flag, hvd.rank(), hvd.size(),
+                               lambda values: allreduce_sums(values, name=name))

@@ -30,7 +30,6 @@ import math
 import time
 from pathlib import Path
 
-import horovod
 import keras
 import numpy as np
 from horovod.common.elastic import ObjectState
@@ -39,11 +38,13 @@ from keras import ops
 
 from hvdtrain import runtime, schedule
 from hvdtrain.config import TrainConfig
-from hvdtrain.keras import collectives, adapter, checkpoint
+from hvdtrain.keras import adapter, collectives
 from hvdtrain.keras.optimizer import schedule_of
 from hvdtrain.keras.models import build_model
-from hvdtrain.keras.trainer import TrainLoss, backend_version, evaluate, load_nhwc
-from hvdtrain.report import ElasticReport, EpochMetrics, run_header, setup_logging
+from hvdtrain.keras.hooks import Hooks
+from hvdtrain.keras.trainer import TrainLoss, load_nhwc
+from hvdtrain.run.elastic import ElasticReport
+from hvdtrain.run.report import run_header, setup_logging
 
 log = logging.getLogger("hvdtrain")
 hvd = collectives.hvd
@@ -197,11 +198,9 @@ def fit_elastic(cfg: TrainConfig) -> dict:
 
     state.register_reset_callbacks([on_reset])
     steps_per_epoch = math.ceil(len(x_train) / (cfg.batch_size * info.size))
+    hooks = Hooks(model, optimizer, x_test, split.y_test)
     header = run_header("keras", cfg, info, len(x_train), len(x_test), steps_per_epoch,
-                        {"keras": keras.__version__, "keras_backend": adapter.backend(),
-                         adapter.backend(): backend_version(),
-                         "horovod": horovod.__version__})
-
+                        hooks.versions())
     report = ElasticReport(out, header, state, cfg, hvd.size, lambda: hvd.rank() == 0,
                            collectives.broadcast_object)
 
@@ -254,27 +253,7 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                 state.batch += 1
                 if state.batch % cfg.commit_every == 0:
                     state.commit()
-            test_loss, test_acc = evaluate(model, x_test, split.y_test, hvd.rank(), hvd.size())
-            seconds = time.time() - state.started  # resets and replays included
-            seen = max(state.seen, 1)
-            metrics = EpochMetrics(state.epoch + 1, state.loss_sum / seen, state.correct / seen,
-                                   test_loss, test_acc, current_lr(),
-                                   state.batch - state.epoch_skipped, seconds,
-                                   state.samples / seconds)
-            entry = {**vars(metrics), "samples": state.samples, "sizes": list(state.sizes)}
-            report.check_divergence(metrics, entry, split.num_classes)  # before its checkpoint
-            state.history = state.history + [entry]
-            if hvd.rank() == 0:
-                log.info("epoch %d: %d samples at sizes %s | test acc %.4f", state.epoch + 1,
-                         state.samples, state.sizes, test_acc)
-                checkpoint.save(out, model.get_weights(),
-                                [ops.convert_to_numpy(v) for v in optimizer.variables],
-                                {"epoch": state.epoch + 1, "step": 0, "size": hvd.size(),
-                                 "global_batch": cfg.global_batch(hvd.size()),
-                                 "config": cfg.to_dict(), "rng": runtime.python_numpy_rng_state(),
-                                 "metrics": state.history})
-                report.write()
-            report.board_epochs(state.history)
+            report.end_epoch(hooks, current_lr(), split.num_classes)
             state.epoch += 1
             state.batch, state.done, state.samples, state.seen = 0, 0, 0, 0
             state.epoch_skipped = 0

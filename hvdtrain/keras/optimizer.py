@@ -176,7 +176,7 @@ class NonFiniteGuard:
     gradient accumulators are zeroed; an EMA of the weights, if the optimizer keeps one, still
     moves), the optimizer's step counter still advances (the LR schedule follows the step, as in
     the PyTorch trainer) and ``skipped`` grows by one. Ranks never diverge. Under a
-    ``LossScaleOptimizer`` (:class:`_LossScaleHooks`) it counts skipped micro-batches instead.
+    ``LossScaleOptimizer`` (:class:`LossScaleHooks`) it counts skipped micro-batches instead.
 
     With ``size=None`` (elastic training, where ranks are renumbered and the size changes at
     each reset while the traced step stays as it was) each rank sends one number instead, "my
@@ -209,7 +209,7 @@ class NonFiniteGuard:
 
 class PreemptFlags:
     """The preemption flags that ride in every optimizer step's grouped gradient all-reduce
-    (:mod:`hvdtrain.preempt`): each rank puts ``[SIGTERM seen, SIGUSR1 seen]`` into
+    (:mod:`hvdtrain.run.preempt`): each rank puts ``[SIGTERM seen, SIGUSR1 seen]`` into
     ``requested`` (the trainer's callback does, when a signal came), and after the step
     ``agreed`` holds the sum over ranks, kept once set. ``agreed`` is equal on every rank after
     every step, so all ranks stop after the same one. Two numbers more in an all-reduce the step
@@ -228,7 +228,7 @@ class PreemptFlags:
                                      name="hvdtrain_preempt_agreed")
 
 
-class _Allreduce:
+class GradientAllreduce:
     """The hooks :func:`distribute` puts on a Keras 3 optimizer (the instance only, so its class,
     config and saved files stay the optimizer's own).
 
@@ -305,7 +305,7 @@ class _Allreduce:
                         skip)
 
 
-class _LossScaleHooks:
+class LossScaleHooks:
     """What :func:`distribute` adds to a ``LossScaleOptimizer`` (fp16): its overflow check made
     global, and overflows told apart from failures.
 
@@ -355,3 +355,18 @@ class _LossScaleHooks:
 
         ops.cond(finite, lambda: None, not_finite)
         return finite
+
+
+def micro_batch_count(optimizer) -> int:
+    """Micro-batches the distributed optimizer has applied or accumulated (Keras's internal
+    counter; with k > 1 ``optimizer.iterations`` counts optimizer steps; under a
+    ``LossScaleOptimizer`` skipped micro-batches are not counted)."""
+    return int(ops.convert_to_numpy(inner(optimizer)._iterations))
+
+
+def set_micro_batch_count(optimizer, count: int, reset_groups: bool = False) -> None:
+    """Set the micro-batch counter (a resumed run's position; the LR schedule follows it);
+    ``reset_groups``: also empty the gradient accumulators (an open group does not carry over)."""
+    inner(optimizer)._iterations.assign(int(count))
+    if reset_groups:
+        zero_accumulators(optimizer)

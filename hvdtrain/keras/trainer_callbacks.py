@@ -1,8 +1,8 @@
-"""The Keras trainer's callbacks inside ``model.fit`` other than its epoch end (``_EpochEnd`` in
-:mod:`hvdtrain.keras.trainer`, beside the ``evaluate`` it calls): the stop on a preemption signal
-with the mid-epoch checkpoint it leaves, the per-step TensorBoard points, and the checkpoint write
-that both the epoch end and a preemption make. The PyTorch trainer does the same inline in its
-loop.
+"""The Keras trainer's callbacks inside ``model.fit``: each epoch's bookkeeping handed to the run
+written once (:class:`EpochEnd` -> :meth:`hvdtrain.run.training.Run.end_epoch`), the stop on a
+preemption signal after an optimizer step (:class:`StopOnSignal`), the per-step TensorBoard
+points (:class:`StepPoints`) and the ``--fault-slow-from`` drill (:class:`SlowSteps`). The
+PyTorch trainer does the same in its own loop.
 """
 from __future__ import annotations
 
@@ -12,40 +12,9 @@ import keras
 import numpy as np
 from keras import ops
 
-from hvdtrain import preempt, runtime
-from hvdtrain.keras import collectives, adapter, checkpoint
-from hvdtrain.report import stop_together
+from hvdtrain import runtime
+from hvdtrain.run import preempt
 from hvdtrain.tensorboard import StepMeter
-
-
-def save_checkpoint(s: dict, epoch_done: int, batch: int, partial_per_rank: list | None, epochs: list,
-          model) -> None:
-    """Rank 0 writes the checkpoint (``checkpoint.npz`` and ``checkpoint.weights.h5``)."""
-    info, optimizer = s["info"], s["optimizer"]
-    if not info.is_root:
-        return
-    checkpoint.save(s["out"], model.get_weights(),
-                    [ops.convert_to_numpy(v) for v in optimizer.variables],
-                    {"epoch": epoch_done, "batch": batch, "partial_per_rank": partial_per_rank,
-                     "step": int(ops.convert_to_numpy(optimizer.iterations)),
-                     "size": info.size, "global_batch": s["cfg"].global_batch(info.size),
-                     "config": s["cfg"].to_dict(), "rng": runtime.python_numpy_rng_state(),
-                     "counters": checkpoint.counters(optimizer),
-                     "metrics": [vars(e) for e in epochs]})
-    checkpoint.save_weights(s["out"] / checkpoint.WEIGHTS_FILE, model)
-
-
-def record_counters(report, optimizer) -> int:
-    """Put the run's optimizer steps skipped for a non-finite loss (``skipped_steps``) and, with
-    fp16, for overflowing gradients (``overflow_steps``) into ``report.header`` (kept current,
-    so a run stopped mid-epoch records them too). Returns ``skipped_steps``."""
-    guard = getattr(optimizer, "hvdtrain_nonfinite", None)
-    skipped = int(ops.convert_to_numpy(guard.skipped)) if guard is not None else 0
-    report.header["skipped_steps"] = skipped
-    scaler = getattr(optimizer, "hvdtrain_loss_scale", None)
-    if scaler is not None:
-        report.header["overflow_steps"] = int(ops.convert_to_numpy(scaler.overflows))
-    return skipped
 
 
 class StopOnSignal(keras.callbacks.Callback):
@@ -96,24 +65,28 @@ class StepPoints(keras.callbacks.Callback):
 
     Args:
         meter: the step meter (idle on other ranks and without TensorBoard).
-        trainer_state: the trainer's state dict (``loss``, ``optimizer``, ``warmup``, ``k``).
+        loss: the trainer's :class:`~hvdtrain.keras.trainer.TrainLoss` (its running sums).
+        warmup: the warmup callback (its ``lr_at(step)``).
+        k: micro-batches per optimizer step; micro_per_epoch: micro-batches per epoch.
         offset: micro-batches of the first epoch trained before this ``fit`` (a resumed run).
     """
 
-    def __init__(self, meter: StepMeter, trainer_state: dict, offset: int = 0):
+    def __init__(self, meter: StepMeter, loss, warmup, k: int, micro_per_epoch: int,
+                 offset: int = 0):
         super().__init__()
-        self.meter, self.s, self.offset = meter, trainer_state, offset
+        self.meter, self.loss, self.warmup, self.k = meter, loss, warmup, k
+        self.micro_per_epoch, self.offset = micro_per_epoch, offset
         self.step = self.micro = 0
 
     def on_epoch_begin(self, epoch, logs=None):
         if not self.meter.board.enabled:
             return
-        sums = self.s["loss"].totals()  # after _EpochEnd's reset: 0, or a resumed epoch's
+        sums = self.loss.totals()  # after EpochEnd's reset: 0, or a resumed epoch's
         self.micro, self.offset = self.offset, 0
-        k = self.s["k"]
+        k = self.k
         # Steps counted as all-reduce rounds, taken or skipped (fp16 overflows do not advance
         # optimizer.iterations), as the PyTorch trainer counts them.
-        self.step = epoch * self.s["micro_per_epoch"] // k + self.micro // k
+        self.step = epoch * self.micro_per_epoch // k + self.micro // k
         self.meter.start(time.perf_counter(), sums["loss_sum"], sums["correct"],
                          sums["samples"], self.micro, self.micro // k)
 
@@ -121,38 +94,76 @@ class StepPoints(keras.callbacks.Callback):
         if not self.meter.board.enabled:
             return
         self.micro += 1
-        k = self.s["k"]
+        k = self.k
         if self.micro % k:
             return
         self.step += 1
         if self.meter.due(self.step):
-            sums = self.s["loss"].totals()
-            self.meter.point(self.step, time.perf_counter(), self.s["warmup"].lr_at(self.step - 1),
+            sums = self.loss.totals()
+            self.meter.point(self.step, time.perf_counter(), self.warmup.lr_at(self.step - 1),
                              sums["loss_sum"], sums["correct"], sums["samples"], self.micro,
                              self.micro // k)
 
 
-def preempted_stop(s: dict, model, epoch_end, signals: preempt.Preemption) -> None:
-    """After ``fit`` stopped on a signal, on every rank: gather each rank's share of the
-    unfinished epoch, let rank 0 write the mid-epoch checkpoint (the others wait for it), record
-    the stop in ``metrics.json``, requeue under Slurm, and raise
-    :class:`~hvdtrain.preempt.Preempted`."""
-    info, cfg, stopped = s["info"], s["cfg"], s["preemption"].stopped
-    record_counters(s["report"], s["optimizer"])
-    adapter.sync_buffers(model)  # the saved model's BatchNorm statistics: averaged over ranks
-    per_rank = collectives.allgather_object(epoch_end.partial(), name="hvdtrain.preempt")
-    save_checkpoint(s, stopped["epoch"], stopped["batch"], per_rank if stopped["batch"] else None,
-          s["report"].epochs, model)
-    waited = collectives.allgather_object(signals.seconds_since_signal(),
-                                       name="hvdtrain.preempt.saved")
-    seconds = max((w for w in waited if w is not None), default=None)
-    step = int(ops.convert_to_numpy(s["optimizer"].iterations))
-    preempt.record_stop(s["report"], stopped["signal"], stopped["epoch"] + 1, stopped["batch"],
-                        step, seconds, cfg.requeue, info.is_root)
-    # The other ranks wait for rank 0's report and requeue: launchers end the whole job when the
-    # first rank exits.
-    stop_together(collectives.broadcast_object, "preempt.done")
-    raise preempt.Preempted(stopped["signal"], seconds)
+class EpochEnd(keras.callbacks.Callback):
+    """Each epoch's bookkeeping inside ``fit``: at its start, the training loss's sums (from 0,
+    or from a mid-epoch checkpoint's ``partial``), the clock, the step counters and the
+    learning rate; at its end (logs already averaged over ranks),
+    :meth:`hvdtrain.run.training.Run.end_epoch` (evaluate, check, checkpoint, record). An epoch
+    stopped by a signal before its end is left to
+    :meth:`~hvdtrain.run.training.Run.preempted_stop`, with :meth:`partial`.
+
+    Args:
+        run: the :class:`~hvdtrain.run.training.Run`.
+        loss: the trainer's :class:`~hvdtrain.keras.trainer.TrainLoss`.
+        warmup: the warmup callback (its ``lr_at(step)``).
+        preemption: the :class:`StopOnSignal` callback.
+        micro_per_epoch: micro-batches per epoch (each ``--batch-size`` samples).
+        partial: this rank's sums of a resumed epoch so far, or None.
+    """
+
+    def __init__(self, run, loss, warmup, preemption: StopOnSignal, micro_per_epoch: int,
+                 partial: dict | None = None):
+        super().__init__()
+        self.run, self.loss, self.warmup, self.preemption = run, loss, warmup, preemption
+        self.micro_per_epoch, self.resumed = micro_per_epoch, partial
+        optimizer = run.hooks.optimizer
+        self.optimizer = optimizer
+        self.loss_scaled = getattr(optimizer, "hvdtrain_loss_scale", None) is not None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        part, self.resumed = self.resumed, None
+        if part is not None:  # the rest of an epoch stopped by a signal
+            self.loss.reset(part["loss_sum"], part["correct"], part["samples"])
+            self.start = time.perf_counter() - part["seconds"]
+            self.steps, self.skipped, self.lr = part["iterations"], part["skipped"], part["lr"]
+            return
+        self.loss.reset()
+        self.start = time.perf_counter()
+        self.steps = int(ops.convert_to_numpy(self.optimizer.iterations))
+        self.skipped = self.run.hooks.counters()["skipped"]
+        self.lr = self.warmup.lr_at(self.steps)
+
+    def partial(self) -> dict:
+        """This rank's state of the unfinished epoch, for a mid-epoch checkpoint."""
+        return {**self.loss.totals(), "seconds": time.perf_counter() - self.start,
+                "iterations": self.steps, "skipped": self.skipped, "lr": self.lr}
+
+    def on_epoch_end(self, epoch, logs=None):
+        stopped = self.preemption.stopped
+        if stopped and stopped["batch"] < self.micro_per_epoch:
+            return  # a mid-epoch stop: Run.preempted_stop checkpoints it
+        sums = self.loss.totals()
+        iterations = int(ops.convert_to_numpy(self.optimizer.iterations))
+        steps = iterations - self.steps
+        if not self.loss_scaled:  # a skipped step still advanced iterations (not fp16)
+            steps -= self.run.hooks.counters()["skipped"] - self.skipped
+        self.run.end_epoch(epoch, {
+            "loss": sums["loss_sum"], "correct": sums["correct"], "n": sums["samples"],
+            "processed": self.micro_per_epoch * self.run.cfg.batch_size,
+            "seconds": time.perf_counter() - self.start}, self.lr, steps, iterations)
+        if stopped:  # stopped on the epoch's last step: the epoch is complete
+            stopped.update(epoch=epoch + 1, batch=0)
 
 
 class SlowSteps(keras.callbacks.Callback):

@@ -10,7 +10,7 @@ So ``hvdtrain launch`` does not signal ``horovodrun`` or ``mpirun``: it marks th
 environment with :data:`LAUNCH_ID_VAR` and, on a signal, sends that signal to the job's rank
 processes themselves, on this host (found in ``/proc``) and on every other host of the job
 (over ssh, running this module there). The ranks checkpoint and exit 75
-(:mod:`hvdtrain.preempt`), and the launcher ends as it ends for any job whose ranks exit, with
+(:mod:`hvdtrain.run.preempt`), and the launcher ends as it ends for any job whose ranks exit, with
 their status. Under ``srun`` the signal goes to srun, which hands it to the tasks. The launcher
 runs in its own session, so a signal to ``hvdtrain launch``'s process group does not kill it
 before the ranks are done; SIGINT (Ctrl-C) still goes to the launcher, which stops the job.

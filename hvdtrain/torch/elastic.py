@@ -27,7 +27,6 @@ import logging
 import time
 from pathlib import Path
 
-import horovod
 import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
@@ -35,10 +34,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hvdtrain import datasets, runtime, schedule
 from hvdtrain.config import TrainConfig
-from hvdtrain.report import ElasticReport, EpochMetrics, run_header, setup_logging
-from hvdtrain.torch import adapter, checkpoint
+from hvdtrain.run.elastic import ElasticReport
+from hvdtrain.run.report import run_header, setup_logging
+from hvdtrain.torch import adapter
 from hvdtrain.torch.models import build_model
-from hvdtrain.torch.trainer import evaluate
+from hvdtrain.torch.hooks import Hooks
 
 log = logging.getLogger("hvdtrain")
 
@@ -102,9 +102,9 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                     optimizer.param_groups[0]["lr"])
 
     state.register_reset_callbacks([on_reset])
+    hooks = Hooks(model, optimizer, x_test, y_test, "fp32", cfg.lr)
     header = run_header("torch", cfg, info, len(train_set), len(x_test), len(loader),
-                        {"torch": torch.__version__, "horovod": horovod.__version__})
-
+                        hooks.versions())
     report = ElasticReport(out, header, state, cfg, hvd.size, lambda: hvd.rank() == 0,
                            hvd.broadcast_object)
 
@@ -147,26 +147,7 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                 sampler.record_batch(state.batch, cfg.batch_size)
                 if state.batch % cfg.commit_every == 0:
                     state.commit()
-            test_loss, test_acc = evaluate(model, x_test, y_test, hvd.rank(), hvd.size())
-            seconds = time.time() - state.started  # resets and replays included
-            seen = max(state.seen, 1)
-            metrics = EpochMetrics(state.epoch + 1, state.loss_sum / seen, state.correct / seen,
-                                   test_loss, test_acc, optimizer.param_groups[0]["lr"],
-                                   state.batch - state.epoch_skipped, seconds,
-                                   state.samples / seconds)
-            entry = {**vars(metrics), "samples": state.samples, "sizes": list(state.sizes)}
-            report.check_divergence(metrics, entry, split.num_classes)  # before its checkpoint
-            state.history = state.history + [entry]
-            if hvd.rank() == 0:
-                log.info("epoch %d: %d samples at sizes %s | test acc %.4f", state.epoch + 1,
-                         state.samples, state.sizes, test_acc)
-                checkpoint.save(out, {
-                    "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "epoch": state.epoch + 1, "step": 0, "size": hvd.size(),
-                    "global_batch": cfg.global_batch(hvd.size()), "config": cfg.to_dict(),
-                    "rng": checkpoint.rng_state(), "metrics": state.history})
-                report.write()
-            report.board_epochs(state.history)
+            report.end_epoch(hooks, optimizer.param_groups[0]["lr"], split.num_classes)
             state.epoch += 1
             state.batch, state.samples, state.seen, state.epoch_skipped = 0, 0, 0, 0
             state.loss_sum, state.correct = 0.0, 0

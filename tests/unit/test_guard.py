@@ -5,7 +5,7 @@ import math
 import pytest
 
 from hvdtrain import guard, schedule
-from hvdtrain.report import EpochMetrics
+from hvdtrain.run.report import EpochMetrics
 
 
 def warning(global_batch, rule, train_samples=60000, base_batch=32):

@@ -154,7 +154,7 @@ def test_a_second_signal_in_the_same_group_is_pushed_too():
     # stopped as SIGTERM and never requeued.
     import signal
 
-    from hvdtrain import preempt
+    from hvdtrain.run import preempt
     from hvdtrain.keras.optimizer import PreemptFlags
     from hvdtrain.keras.trainer_callbacks import StopOnSignal
     signals = preempt.Preemption(enabled=False)

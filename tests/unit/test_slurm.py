@@ -144,7 +144,7 @@ def test_only_rank_0_prints_input_errors_under_srun(clean_launcher_env, capsys, 
 
 
 def test_mid_epoch_position_needs_the_same_data_order():
-    from hvdtrain import preempt
+    from hvdtrain.run import preempt
     from hvdtrain.config import TrainConfig
     cfg = TrainConfig(batch_size=16, backward_passes_per_step=2)
     saved = cfg.to_dict()

@@ -50,3 +50,40 @@ def test_shared_functions_are_documented():
     for module in (ht, hk):
         for name in module.__all__:
             assert inspect.getdoc(getattr(module, name)), f"{module.__name__}.{name}"
+
+
+def test_the_runs_framework_hooks_are_mirrored():
+    """hvdtrain/torch/hooks.py and hvdtrain/keras/hooks.py implement every operation of the
+    run's Hooks protocol, with the protocol's parameters, and nothing else public."""
+    from hvdtrain.keras import hooks as keras_hooks
+    from hvdtrain.run.hooks import Hooks
+    from hvdtrain.torch import hooks as torch_hooks
+    protocol = {name for name in vars(Hooks) if not name.startswith("_")} | set(
+        Hooks.__annotations__)
+    for module in (torch_hooks, keras_hooks):
+        implemented = {name for name in vars(module.Hooks) if not name.startswith("_")}
+        assert implemented == protocol, module.__name__
+        for name in protocol - {"framework", "checkpoint_files"}:
+            expected = list(inspect.signature(getattr(Hooks, name)).parameters)
+            assert list(inspect.signature(getattr(module.Hooks, name)).parameters) == expected, \
+                (module.__name__, name)
+    assert torch_hooks.Hooks.framework == "torch" and keras_hooks.Hooks.framework == "keras"
+    # The same helper names beside the class (evaluate; Keras adds the backend's version).
+    torch_names = {n for n in vars(torch_hooks) if callable(getattr(torch_hooks, n))
+                   and getattr(getattr(torch_hooks, n), "__module__", "") == torch_hooks.__name__}
+    keras_names = {n for n in vars(keras_hooks) if callable(getattr(keras_hooks, n))
+                   and getattr(getattr(keras_hooks, n), "__module__", "") == keras_hooks.__name__}
+    assert torch_names - {"autocast"} == keras_names - {"backend_version"}
+
+
+def test_torch_and_keras_have_the_same_files():
+    """The torch/ and keras/ halves mirror each other file by file (Keras adds the modules of
+    Keras 3's fit plumbing and its backends)."""
+    from pathlib import Path
+    root = Path(ht.__file__).parent.parent
+    torch_files = {p.name for p in (root / "torch").glob("*.py")}
+    keras_files = {p.name for p in (root / "keras").glob("*.py")}
+    keras_extra = {"callbacks.py", "optimizer.py", "sharding.py",
+                   "trainer_callbacks.py", "xla.py"}
+    torch_extra = {"buffers.py", "scheduler.py"}
+    assert torch_files - torch_extra == keras_files - keras_extra

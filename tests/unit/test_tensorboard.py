@@ -2,7 +2,7 @@
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from hvdtrain.report import EpochMetrics, RunReport
+from hvdtrain.run.report import EpochMetrics, RunReport
 from hvdtrain.tensorboard import EPOCH_FIELDS, Board, StepMeter
 
 
@@ -77,7 +77,7 @@ def test_elastic_epochs_survive_a_lost_rank_0(tmp_path):
     from types import SimpleNamespace
 
     from hvdtrain.config import TrainConfig
-    from hvdtrain.report import ElasticReport
+    from hvdtrain.run.elastic import ElasticReport
 
     cfg = TrainConfig(batch_size=16, tensorboard=True)
     history = [{**vars(EpochMetrics(e, 1.0 / e, 0.5 + e / 10, 0.8 / e, 0.8 + e / 100, 0.02, 45,
@@ -110,7 +110,7 @@ def test_a_diverged_epoch_trained_again_after_a_reset_is_written_again(tmp_path)
     from types import SimpleNamespace
 
     from hvdtrain.config import TrainConfig
-    from hvdtrain.report import ElasticReport
+    from hvdtrain.run.elastic import ElasticReport
 
     def entry(epoch, acc):
         return {**vars(EpochMetrics(epoch, 1.0, acc, 1.0, acc, 0.02, 45, 1.5, 900.0)),

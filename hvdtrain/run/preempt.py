@@ -130,7 +130,7 @@ def agreed_signal(summed: list[float]) -> str | None:
 def record_stop(report, signal_name: str, epoch: int, batch: int, step: int,
                 seconds: float | None, requeue_enabled: bool, is_root: bool) -> None:
     """What both trainers do once the mid-epoch checkpoint is written: put ``preempted`` into
-    ``metrics.json`` (``report``, a :class:`~hvdtrain.report.RunReport`), and on rank 0 write it,
+    ``metrics.json`` (``report``, a :class:`~hvdtrain.run.report.RunReport`), and on rank 0 write it,
     requeue under Slurm (:func:`requeue`) and log one line. ``epoch`` is 1-based, ``batch`` the
     micro-batches of it trained, ``seconds`` from the earliest signal to the checkpoint."""
     report.header["preempted"] = {"signal": signal_name, "epoch": epoch, "batch": batch,
