@@ -113,7 +113,7 @@ def fit(cfg: TrainConfig) -> dict:
     ``--precision bf16`` trains under Keras's ``mixed_bfloat16`` policy (layers compute in
     bfloat16, variables and the logits stay float32). BatchNormalization statistics are averaged
     over ranks at each epoch's end, before evaluation and the checkpoint
-    (:class:`~hvdtrain.keras.callbacks.SyncBuffersCallback`).
+    (:meth:`hvdtrain.run.training.Run.end_epoch`).
 
     Raises:
         runtime.NonFiniteLossError: a non-finite loss with ``on_nonfinite="stop"`` (every rank).

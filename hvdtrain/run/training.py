@@ -40,6 +40,8 @@ log = logging.getLogger("hvdtrain")
 # The per-rank sums an epoch's end all-reduces: loss x samples and correct predictions over the
 # samples whose loss was finite (``n``), samples trained on (``processed``), wall seconds.
 EPOCH_SUMS = ("loss", "correct", "n", "processed", "seconds")
+# What a checkpoint's record must hold for a run to continue from it.
+RECORD_KEYS = ("epoch", "size", "global_batch", "metrics")
 
 
 def start(cfg, init: Callable[..., object]):
@@ -134,6 +136,10 @@ class Run:
                     meta = {"fresh": True}
                 else:
                     meta = dict(self.hooks.load(self.out))
+                    missing = [k for k in RECORD_KEYS if k not in meta]
+                    if missing:
+                        raise ValueError(f"the checkpoint's record lacks {', '.join(missing)}: "
+                                         "not a complete hvdtrain checkpoint")
                     meta["rng"] = meta.get("rng_per_rank") or [meta.get("rng")]
                     meta["batch"] = meta.get("batch") or 0
                     meta["counters"] = meta.get("counters") or {}
