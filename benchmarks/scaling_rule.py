@@ -61,6 +61,7 @@ def train(size: int, k: int, rule: str, args) -> dict:
         command = [str(common.BIN / "hvdtrain"), "train", "--framework", "torch", "--dataset",
                    args.dataset, "--batch-size", str(args.batch_size), "-k", str(k), "--lr",
                    str(args.lr), "--momentum", str(args.momentum), "--lr-scaling", rule,
+                   "--lr-schedule", "constant",
                    "--warmup-epochs", str(args.warmup_epochs), "--epochs", str(args.epochs),
                    "--no-divergence-check", "--no-progress", "--no-tensorboard",
                    "--output-dir", out]

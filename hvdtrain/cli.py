@@ -17,9 +17,7 @@ import os
 import sys
 
 from hvdtrain import __version__, guard, runtime
-from hvdtrain.config import (COMPRESSIONS, DATASETS, DEVICES, FRAMEWORKS, OPS, PRECISIONS,
-                             ConfigError, TrainConfig)
-from hvdtrain.schedule import LR_SCALING_RULES
+from hvdtrain.config import ConfigError, TrainConfig, add_arguments
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -30,75 +28,9 @@ def _fail(message: str, code: int = 2) -> int:
 
 
 def add_train_args(parser: argparse.ArgumentParser) -> None:
-    """The options of ``hvdtrain train``; defaults come from :class:`TrainConfig`."""
-    d = TrainConfig()
-    parser.add_argument("--framework", default=d.framework, help=f"one of {', '.join(FRAMEWORKS)}")
-    parser.add_argument("--dataset", default=d.dataset, help=f"one of {', '.join(DATASETS)}")
-    parser.add_argument("--epochs", type=int, default=d.epochs)
-    parser.add_argument("--batch-size", type=int, default=d.batch_size,
-                        help="local batch: samples per micro-batch on each rank")
-    parser.add_argument("--backward-passes-per-step", "-k", type=int,
-                        default=d.backward_passes_per_step,
-                        help="micro-batches accumulated per optimizer step (one all-reduce each)")
-    parser.add_argument("--lr", type=float, default=d.lr,
-                        help="single-process learning rate, scaled by --lr-scaling")
-    parser.add_argument("--momentum", type=float, default=d.momentum)
-    parser.add_argument("--dropout", type=float, default=d.dropout,
-                        help="dropout probability before the last layer")
-    parser.add_argument("--lr-scaling", default=d.lr_scaling,
-                        help=f"one of {', '.join(LR_SCALING_RULES)}")
-    parser.add_argument("--warmup-epochs", type=float, default=d.warmup_epochs)
-    parser.add_argument("--compression", default=d.compression, help=f"one of {', '.join(COMPRESSIONS)}")
-    parser.add_argument("--op", default=d.op, help=f"one of {', '.join(OPS)}")
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--output-dir", default=d.output_dir)
-    parser.add_argument("--test-fraction", type=float, default=d.test_fraction)
-    parser.add_argument("--synthetic-samples", type=int, default=d.synthetic_samples)
-    parser.add_argument("--no-progress", dest="progress", action="store_false",
-                        help="no progress bar on rank 0")
-    parser.add_argument("--resume", nargs="?", const="yes", default=d.resume,
-                        choices=("yes", "auto"),
-                        help="continue from --output-dir's checkpoint; '--resume auto' starts "
-                             "fresh when there is none (one job script for first runs and "
-                             "requeues)")
-    parser.add_argument("--no-requeue", dest="requeue", action="store_false",
-                        help="after a SIGUSR1 checkpoint in a Slurm batch job, do not run "
-                             "'scontrol requeue' (see README, Slurm)")
-    parser.add_argument("--on-nonfinite", default=d.on_nonfinite,
-                        help="skip (the step, on all ranks) or stop when a loss is NaN/Inf")
-    parser.add_argument("--fault-nan-at", default=d.fault_nan_at, metavar="RANK:STEP",
-                        help="fault drill: make RANK's loss NaN at optimizer STEP")
-    parser.add_argument("--fault-slow-from", default=d.fault_slow_from, metavar="STEP:SECONDS",
-                        help="fault drill: from optimizer STEP on, every rank sleeps SECONDS "
-                             "before each step (a slow node; tests time signals with it)")
-    parser.add_argument("--elastic", action="store_true",
-                        help="Horovod Elastic training (launch with hvdtrain launch --elastic)")
-    parser.add_argument("--commit-every", type=int, default=d.commit_every,
-                        help="elastic: commit the state every N optimizer steps")
-    parser.add_argument("--device", default=d.device,
-                        help=f"one of {', '.join(DEVICES)}: auto = a GPU per rank when the host "
-                             "has them, else the CPU")
-    parser.add_argument("--precision", default=d.precision,
-                        help=f"one of {', '.join(PRECISIONS)}: bf16 and fp16 are mixed precision "
-                             "(fp16 with a dynamic loss scale)")
-    parser.add_argument("--init-loss-scale", type=float, default=d.init_loss_scale,
-                        help="fp16: the dynamic loss scale's starting value")
-    parser.add_argument("--keras-backend", default=d.keras_backend,
-                        help="--framework keras: Keras 3's backend, tensorflow or torch "
-                             "(default: $KERAS_BACKEND, else tensorflow)")
-    parser.add_argument("--batchnorm", action="store_true",
-                        help="BatchNorm after each convolution (statistics averaged over ranks)")
-    parser.add_argument("--data-dir", default=d.data_dir,
-                        help="--dataset mnist: a directory with the four IDX files (or an .npz "
-                             "with x_train, y_train, x_test, y_test) instead of the cache")
-    parser.add_argument("--tensorboard", action=argparse.BooleanOptionalAction,
-                        default=d.tensorboard,
-                        help="TensorBoard events in OUTPUT_DIR/tensorboard (rank 0): "
-                             "tensorboard --logdir OUTPUT_DIR")
-    parser.add_argument("--log-every", type=int, default=d.log_every,
-                        help="optimizer steps between per-step TensorBoard points")
-    parser.add_argument("--no-divergence-check", dest="divergence_check", action="store_false",
-                        help="train on when the loss or accuracy says the run diverged")
+    """The options of ``hvdtrain train``, as :class:`TrainConfig` declares them
+    (:func:`hvdtrain.config.add_arguments`)."""
+    add_arguments(parser)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -108,7 +40,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     when SIGTERM/SIGUSR1 stopped it after a checkpoint."""
     fields = {k: v for k, v in vars(args).items() if k not in ("command", "func")}
     try:
-        cfg = TrainConfig(**fields).validate()
+        cfg = TrainConfig.from_options(fields).validate()
         runtime.omp_num_threads()  # a bad OMP_NUM_THREADS, named before any work
     except (ConfigError, ValueError) as exc:
         return _fail(str(exc))

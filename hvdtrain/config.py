@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import asdict, dataclass
+import argparse
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from hvdtrain.runtime import DEVICES
-from hvdtrain.schedule import LR_SCALING_RULES
+from hvdtrain import schedule
+from hvdtrain.schedule import LR_SCALING_RULES, LR_SCHEDULES
 
 FRAMEWORKS = ("torch", "keras")
 # Keras 3 backends hvdtrain.keras runs on (KERAS_BACKEND); jax has no Horovod binding.
@@ -26,104 +28,128 @@ class ConfigError(ValueError):
     """An option value that cannot work; the message says which option and what to change."""
 
 
+def option(default, help: str, *, choices: tuple | None = None, flags: tuple[str, ...] = (),
+           minimum: int | None = None, elastic: str = "", **argparse_options):
+    """A :class:`TrainConfig` field with its command-line declaration: the default, the help
+    (the option's documentation: units, ranges, sources), the allowed values and the least
+    whole number (both checked by :meth:`TrainConfig.validate`), its flags (``--field-name``
+    unless given), why an elastic run cannot honour it (``elastic``: refused there, with this
+    reason, when not at its default; empty: elastic runs honour it) and any other
+    ``argparse.add_argument`` settings (``action``, ``type``, ``nargs``, ``const``, ``metavar``).
+    """
+    return field(default=default, metadata={
+        "help": help, "choices": choices, "flags": flags, "minimum": minimum, "elastic": elastic,
+        "argparse": argparse_options})
+
+
 @dataclass
 class TrainConfig:
-    """Everything ``hvdtrain train`` needs.
+    """Everything ``hvdtrain train`` needs: each option declared once, here (default, help,
+    allowed values, flags, modes); ``hvdtrain train --help`` and :meth:`validate` read it.
 
-    Attributes:
-        framework: ``"torch"`` or ``"keras"``.
-        dataset: ``"digits"`` (scikit-learn's 1,797 8x8 handwritten digits, offline, for quick
-            checks), ``"mnist"`` (60,000 + 10,000 28x28 handwritten digits, cached offline:
-            :func:`hvdtrain.datasets.mnist.load_mnist`) or ``"synthetic"`` (random images and labels, for
-            throughput).
-        data_dir: ``--dataset mnist``: read MNIST from this directory's four IDX files (or an
-            ``.npz`` with ``x_train, y_train, x_test, y_test``) instead of the cache; empty: the
-            cache.
-        epochs: passes over the training split, >= 1.
-        batch_size: local batch: samples per micro-batch on one rank, >= 1.
-        backward_passes_per_step: micro-batches accumulated per optimizer step (k), >= 1.
-        lr: base learning rate, tuned for one process with one local batch per step, > 0.
-        momentum: SGD momentum in [0, 1).
-        dropout: dropout probability before the model's last layer, in [0, 1).
-        lr_scaling: ``"linear"``, ``"sqrt"`` or ``"none"`` (see :mod:`hvdtrain.schedule`).
-        warmup_epochs: epochs of gradual warmup from ``lr`` to the scaled rate, >= 0.
-        compression: gradient compression for the all-reduce, ``"none"`` or ``"fp16"``.
-        op: ``"average"`` or ``"adasum"`` reduction of gradients.
-        seed: base seed; rank r uses ``runtime.rank_seed(seed, r)``.
-        output_dir: where rank 0 writes ``checkpoint.*`` and ``metrics.json``.
-        test_fraction: held-out share of the dataset, in (0, 1).
-        synthetic_samples: size of the synthetic dataset.
-        progress: show a progress bar on rank 0.
-        resume: ``""`` (start fresh), ``"yes"`` (continue from ``output_dir``'s checkpoint; none
-            is an error) or ``"auto"`` (continue when a checkpoint exists, else start fresh: one
-            job script serves the first run and every requeue). ``True``/``False`` mean
-            ``"yes"``/``""``.
-        requeue: after a preemption checkpoint made on ``SIGUSR1`` in a Slurm batch job, requeue
-            the job (``scontrol requeue``; :mod:`hvdtrain.run.preempt`).
-        on_nonfinite: what to do when any rank's loss is NaN/Inf: ``"skip"`` the optimizer step
-            on every rank, or ``"stop"`` the job (PyTorch).
-        fault_nan_at: fault injection for drills and tests, ``"RANK:STEP"``: that rank's loss
-            becomes NaN at that optimizer step (0-based); empty for none.
-        fault_slow_from: fault drill for tests and drills, ``"STEP:SECONDS"``: from optimizer
-            step STEP (0-based, counted over the run) on, every rank sleeps SECONDS before each
-            optimizer step, as on a slow or overloaded node. A signal or a kill sent once an
-            earlier epoch is recorded then lands in a known epoch on any machine, however fast.
-            Training math is unchanged; empty for none.
-        elastic: train with Horovod Elastic (launch with ``hvdtrain launch --elastic``).
-        commit_every: elastic: commit the training state every this many optimizer steps.
-        device: ``"auto"`` (a GPU per rank when the host has them, else the CPU), ``"cpu"`` or
-            ``"cuda"`` (:func:`hvdtrain.runtime.choose_device`).
-        precision: ``"fp32"``, ``"bf16"`` (autocast / Keras ``mixed_bfloat16``, also on CPUs) or
-            ``"fp16"`` (autocast with a dynamic loss scale: ``torch.amp.GradScaler``, Keras
-            ``LossScaleOptimizer``).
-        init_loss_scale: fp16: the dynamic loss scale's starting value (``GradScaler``'s
-            ``init_scale``, 2**16); it halves after each step whose gradients overflow and
-            doubles after 2,000 clean steps.
-        keras_backend: ``--framework keras``: Keras 3's backend, ``"tensorflow"`` or ``"torch"``;
-            empty: the ``KERAS_BACKEND`` variable, else ``"tensorflow"`` (filled in by
-            :meth:`validate`).
-        batchnorm: a BatchNorm layer after each convolution of the model; its running
-            statistics are averaged over ranks (``sync_buffers``) before every evaluation and
-            checkpoint.
-        tensorboard: rank 0 writes TensorBoard events to ``<output_dir>/tensorboard``
-            (:mod:`hvdtrain.tensorboard`).
-        log_every: optimizer steps between the per-step TensorBoard points, >= 1.
-        divergence_check: stop with an error when training diverges after warmup
-            (:func:`hvdtrain.guard.divergence`), keeping the last good checkpoint.
+    Global batch = ``batch_size`` x ``backward_passes_per_step`` x size. A dataset's own
+    defaults (:data:`hvdtrain.datasets.recipes.RECIPES`) replace these where the command line
+    leaves an option out (:meth:`from_options`); ``recipe`` records which.
     """
-    framework: str = "torch"
-    dataset: str = "digits"
-    epochs: int = 15
-    batch_size: int = 16
-    backward_passes_per_step: int = 1
-    lr: float = 0.02
-    momentum: float = 0.9
-    dropout: float = 0.0
-    lr_scaling: str = "linear"
-    warmup_epochs: float = 2.0
-    compression: str = "none"
-    op: str = "average"
-    seed: int = 42
-    output_dir: str = "runs/latest"
-    test_fraction: float = 0.2
-    synthetic_samples: int = 2048
-    progress: bool = True
-    resume: str = ""
-    requeue: bool = True
-    on_nonfinite: str = "skip"
-    fault_nan_at: str = ""
-    fault_slow_from: str = ""
-    elastic: bool = False
-    commit_every: int = 10
-    device: str = "auto"
-    precision: str = "fp32"
-    batchnorm: bool = False
-    init_loss_scale: float = 65536.0
-    keras_backend: str = ""
-    data_dir: str = ""
-    tensorboard: bool = True
-    log_every: int = 10
-    divergence_check: bool = True
+    framework: str = option("torch", "the framework: torch or keras", choices=FRAMEWORKS)
+    dataset: str = option(
+        "digits", "digits (scikit-learn's 1,797 8x8 digits, offline, quick checks), mnist "
+        "(60,000 + 10,000 28x28 digits, cached offline) or synthetic (random images, for "
+        "throughput)", choices=DATASETS)
+    epochs: int = option(15, "passes over the training split, >= 1", minimum=1)
+    batch_size: int = option(16, "local batch: samples per micro-batch on each rank, >= 1",
+                             minimum=1)
+    backward_passes_per_step: int = option(
+        1, "micro-batches accumulated per optimizer step (k; one all-reduce each), >= 1",
+        flags=("--backward-passes-per-step", "-k"), minimum=1,
+        elastic="trains with -k 1 (Horovod Elastic's committed state holds no open group)")
+    lr: float = option(0.02, "single-process learning rate (one local batch per step), > 0; "
+                       "scaled by --lr-scaling")
+    momentum: float = option(0.9, "SGD momentum, in [0, 1)")
+    dropout: float = option(0.0, "dropout probability before the model's last layer, in [0, 1)")
+    lr_scaling: str = option("linear", "learning-rate scaling with the global batch: linear "
+                             "(Goyal et al. 2017), sqrt or none", choices=LR_SCALING_RULES)
+    warmup_epochs: float = option(
+        2.0, "epochs of gradual warmup from --lr to the scaled rate (Goyal et al. 2017), >= 0",
+        elastic="trains without warmup (the world size, and so the scaled rate, changes at every "
+                "reset)")
+    lr_schedule: str = option(
+        "constant", "the rate after warmup: constant, cosine (down to --lr-min-ratio of the "
+        "peak at the last step; Loshchilov & Hutter 2017) or step (/10 at each of --lr-steps; "
+        "Goyal et al. 2017)", choices=LR_SCHEDULES)
+    lr_min_ratio: float = option(0.1, "--lr-schedule cosine: the last step's rate as a "
+                                 "fraction of the peak, in [0, 1] (nanoGPT: 0.1)")
+    lr_steps: str = option("", "--lr-schedule step: comma-separated epochs (may be fractional) "
+                           "at which the rate drops by 10x, e.g. 30,60,80", metavar="EPOCHS")
+    compression: str = option("none", "gradient compression for the all-reduce: none or fp16",
+                              choices=COMPRESSIONS)
+    op: str = option("average", "reduction of the gradients: average or adasum", choices=OPS,
+                     elastic="trains with --op average: Adasum needs a power-of-2 number of "
+                             "workers, which a reset may change")
+    seed: int = option(42, "base seed; rank r uses runtime.rank_seed(seed, r)")
+    output_dir: str = option("runs/latest", "where rank 0 writes checkpoints, metrics.json and "
+                             "TensorBoard events")
+    test_fraction: float = option(0.2, "held-out share of digits/synthetic, in (0, 1)")
+    synthetic_samples: int = option(2048, "size of the synthetic dataset, >= 1", minimum=1)
+    progress: bool = option(True, "no progress bar on rank 0", flags=("--no-progress",),
+                            action="store_false")
+    resume: str = option(
+        "", "continue from --output-dir's checkpoint; '--resume auto' starts fresh when there "
+        "is none (one job script for first runs and requeues)", choices=RESUME_MODES,
+        nargs="?", const="yes", elastic="keeps its own state (commits), not --resume")
+    requeue: bool = option(True, "after a SIGUSR1 checkpoint in a Slurm batch job, do not run "
+                           "'scontrol requeue' (see README, Slurm)", flags=("--no-requeue",),
+                           action="store_false")
+    on_nonfinite: str = option("skip", "when any rank's loss is NaN/Inf: skip the optimizer "
+                               "step on every rank, or stop the job", choices=("skip", "stop"))
+    fault_nan_at: str = option("", "fault drill: RANK's loss becomes NaN at optimizer STEP "
+                               "(0-based)", metavar="RANK:STEP")
+    fault_slow_from: str = option(
+        "", "fault drill: from optimizer STEP (0-based, over the run) on, every rank sleeps "
+        "SECONDS (<= 60) before each step, as on a slow node; tests time signals with it",
+        metavar="STEP:SECONDS")
+    elastic: bool = option(False, "Horovod Elastic training (launch with hvdtrain launch "
+                           "--elastic)", action="store_true")
+    commit_every: int = option(10, "elastic: commit the training state every N optimizer "
+                               "steps, >= 1", minimum=1)
+    device: str = option("auto", "auto (a GPU per rank when the host has them, else the CPU), "
+                         "cpu or cuda", choices=DEVICES)
+    precision: str = option("fp32", "fp32, bf16 (mixed, also on CPUs) or fp16 (mixed, with a "
+                            "dynamic loss scale)", choices=PRECISIONS,
+                            elastic="trains in fp32 on the CPU, for now")
+    batchnorm: bool = option(False, "BatchNorm after each convolution (statistics averaged over "
+                             "ranks before every evaluation and checkpoint)",
+                             action="store_true",
+                             elastic="trains in fp32 on the CPU without --batchnorm, for now")
+    init_loss_scale: float = option(65536.0, "fp16: the dynamic loss scale's starting value "
+                                    "(halves on overflow, doubles after 2,000 clean steps)")
+    keras_backend: str = option("", "--framework keras: Keras 3's backend, tensorflow or torch "
+                                "(default: $KERAS_BACKEND, else tensorflow)")
+    data_dir: str = option("", "--dataset mnist: a directory with the four IDX files (or an "
+                           ".npz with x_train, y_train, x_test, y_test) instead of the cache")
+    tensorboard: bool = option(True, "TensorBoard events in OUTPUT_DIR/tensorboard (rank 0): "
+                               "tensorboard --logdir OUTPUT_DIR",
+                               action=argparse.BooleanOptionalAction)
+    log_every: int = option(10, "optimizer steps between per-step TensorBoard points, >= 1",
+                            minimum=1)
+    divergence_check: bool = option(
+        True, "train on when the loss or accuracy says the run diverged after warmup",
+        flags=("--no-divergence-check",), action="store_false")
+    recipe: dict = field(default_factory=dict, metadata={"cli": False})
+
+    @classmethod
+    def from_options(cls, given: dict) -> "TrainConfig":
+        """The configuration for the options a user gave (``given``: field -> value): the
+        dataset's recipe (:data:`hvdtrain.datasets.recipes.RECIPES`) fills what ``given``
+        leaves out, then these defaults; ``recipe`` records the recipe's values used. An
+        elastic run takes no warmup from a recipe. Not validated (call :meth:`validate`).
+        """
+        from hvdtrain.datasets.recipes import RECIPES
+        dataset = given.get("dataset", cls.__dataclass_fields__["dataset"].default)
+        used = {k: v for k, v in RECIPES.get(dataset, {}).items() if k not in given}
+        if given.get("elastic"):
+            used.pop("warmup_epochs", None)
+        return cls(**{**used, **given}, recipe=used)
 
     def global_batch(self, size: int) -> int:
         """Samples per optimizer step across all ranks: ``batch_size x k x size``."""
@@ -162,6 +188,24 @@ class TrainConfig:
                               f"e.g. 75:0.05; got {self.fault_slow_from!r}")
         return int(step), pause
 
+    def decay(self, steps_per_epoch: int) -> schedule.Decay:
+        """The decay after warmup (``--lr-schedule``) in optimizer steps at ``steps_per_epoch``
+        (:func:`hvdtrain.schedule.decay`); a resumed run at another world size gets the same
+        curve over its epochs.
+
+        Raises:
+            ConfigError: ``--lr-steps`` is not a list of epochs after warmup, before the end.
+        """
+        try:
+            epochs = tuple(float(e) for e in self.lr_steps.split(",") if e.strip())
+            return schedule.decay(self.lr_schedule, epochs=self.epochs,
+                                  steps_per_epoch=steps_per_epoch,
+                                  warmup_epochs=0.0 if self.elastic else self.warmup_epochs,
+                                  min_ratio=self.lr_min_ratio, step_epochs=epochs)
+        except ValueError as exc:
+            raise ConfigError(f"--lr-steps {self.lr_steps!r}: {exc}; give epochs like "
+                              "30,60,80") from None
+
     def to_dict(self) -> dict:
         """A JSON-ready copy of the options."""
         return asdict(self)
@@ -172,54 +216,50 @@ class TrainConfig:
         Raises:
             ConfigError: the first option that cannot work, named with the flag to change.
         """
-        def choice(flag, value, allowed):
-            if value not in allowed:
-                raise ConfigError(f"{flag} must be one of {', '.join(allowed)}; got {value!r}")
-
-        choice("--framework", self.framework, FRAMEWORKS)
-        if self.framework == "keras":
-            if not self.keras_backend:
-                self.keras_backend = os.environ.get("KERAS_BACKEND") or "tensorflow"
-                if self.keras_backend not in KERAS_BACKENDS:
-                    raise ConfigError(f"KERAS_BACKEND={self.keras_backend} is not one hvdtrain "
-                                      f"runs on: use {' or '.join(KERAS_BACKENDS)} (or "
-                                      "--keras-backend)")
-            choice("--keras-backend", self.keras_backend, KERAS_BACKENDS)
-        elif self.keras_backend:
-            raise ConfigError("--keras-backend is for --framework keras; drop it")
-        choice("--dataset", self.dataset, DATASETS)
-        choice("--lr-scaling", self.lr_scaling, LR_SCALING_RULES)
-        choice("--compression", self.compression, COMPRESSIONS)
-        choice("--op", self.op, OPS)
-        for flag, value in (("--epochs", self.epochs), ("--batch-size", self.batch_size),
-                            ("--backward-passes-per-step", self.backward_passes_per_step),
-                            ("--synthetic-samples", self.synthetic_samples)):
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{flag} must be a whole number >= 1; got {value!r}")
-        choice("--on-nonfinite", self.on_nonfinite, ("skip", "stop"))
         if isinstance(self.resume, bool):
             self.resume = "yes" if self.resume else ""
-        choice("--resume", self.resume, RESUME_MODES)
-        choice("--device", self.device, DEVICES)
-        choice("--precision", self.precision, PRECISIONS)
+        if self.framework == "keras" and not self.keras_backend:
+            self.keras_backend = os.environ.get("KERAS_BACKEND") or "tensorflow"
+            if self.keras_backend not in KERAS_BACKENDS:
+                raise ConfigError(f"KERAS_BACKEND={self.keras_backend} is not one hvdtrain "
+                                  f"runs on: use {' or '.join(KERAS_BACKENDS)} (or "
+                                  "--keras-backend)")
+        for f in cli_fields():
+            value, meta = getattr(self, f.name), f.metadata
+            if meta["choices"] is not None and value not in meta["choices"]:
+                raise ConfigError(f"{flag_of(f)} must be one of {', '.join(meta['choices'])}; "
+                                  f"got {value!r}")
+            if meta["minimum"] is not None and (isinstance(value, bool) or not isinstance(
+                    value, int) or value < meta["minimum"]):
+                raise ConfigError(f"{flag_of(f)} must be a whole number >= {meta['minimum']}; "
+                                  f"got {value!r}")
+        if self.framework == "keras":
+            if self.keras_backend not in KERAS_BACKENDS:
+                raise ConfigError(f"--keras-backend must be one of {', '.join(KERAS_BACKENDS)}; "
+                                  f"got {self.keras_backend!r}")
+        elif self.keras_backend:
+            raise ConfigError("--keras-backend is for --framework keras; drop it")
+        if not 0 <= self.lr_min_ratio <= 1:
+            raise ConfigError(f"--lr-min-ratio must be in [0, 1]; got {self.lr_min_ratio!r}")
+        if self.lr_steps and self.lr_schedule != "step":
+            raise ConfigError("--lr-steps is for --lr-schedule step; drop it or add "
+                              "--lr-schedule step")
+        if self.lr_schedule == "step":
+            if not self.lr_steps:
+                raise ConfigError("--lr-schedule step needs --lr-steps, the epochs at which the "
+                                  "rate drops 10x, e.g. --lr-steps 30,60,80")
+            self.decay(1)  # the epochs parse and lie after warmup, before the end
         if self.fault_nan_at:
             self.fault()
         self.slow_fault()
         if self.elastic:
-            if self.backward_passes_per_step != 1 or self.resume:
-                raise ConfigError("--elastic trains with -k 1 and without --resume (it keeps "
-                                  "its own state); drop those options")
-            if self.precision != "fp32" or self.batchnorm or self.device == "cuda":
-                raise ConfigError("--elastic trains in fp32 on the CPU, without --batchnorm, "
-                                  "for now; drop --precision/--batchnorm/--device cuda")
-            if self.op != "average":
-                raise ConfigError("--elastic trains with --op average: Adasum needs a "
-                                  "power-of-2 number of workers, which a reset may change; "
-                                  "drop --op adasum")
-            if self.warmup_epochs not in (0, type(self).warmup_epochs):
-                raise ConfigError("--elastic trains without warmup (the world size, and so "
-                                  "the scaled rate, changes at every reset); drop "
-                                  "--warmup-epochs")
+            if self.device == "cuda":
+                raise ConfigError("--elastic trains in fp32 on the CPU, for now; drop --device "
+                                  "cuda")
+            for f in cli_fields():
+                value, why = getattr(self, f.name), f.metadata["elastic"]
+                if why and value != f.default and not (f.name == "warmup_epochs" and value == 0):
+                    raise ConfigError(f"--elastic {why}; drop {flag_of(f)}")
         if self.data_dir:
             if self.dataset != "mnist":
                 raise ConfigError("--data-dir is for --dataset mnist (IDX files or an .npz); "
@@ -227,11 +267,6 @@ class TrainConfig:
             if not Path(self.data_dir).expanduser().exists():
                 raise ConfigError(f"--data-dir {self.data_dir!r} does not exist; pass the "
                                   "directory with MNIST's four IDX files or an .npz file")
-        if not isinstance(self.log_every, int) or self.log_every < 1:
-            raise ConfigError(f"--log-every must be a whole number >= 1; got {self.log_every!r}")
-        if not isinstance(self.commit_every, int) or self.commit_every < 1:
-            raise ConfigError(f"--commit-every must be a whole number >= 1; got "
-                              f"{self.commit_every!r}")
         if not self.init_loss_scale > 0:
             raise ConfigError(f"--init-loss-scale must be > 0; got {self.init_loss_scale!r}")
         if not self.lr > 0:
@@ -260,6 +295,35 @@ class TrainConfig:
                               "(or sqrt) with it, not linear")
         check_writable_dir(self.output_dir, "--output-dir")
         return self
+
+
+def cli_fields() -> list:
+    """The :class:`TrainConfig` fields that are command-line options, in declaration order."""
+    return [f for f in fields(TrainConfig) if f.metadata.get("cli", True)]
+
+
+def flag_of(f) -> str:
+    """The first flag of option field ``f`` (``--batch-size``; ``--no-progress``)."""
+    return (f.metadata["flags"] or (f"--{f.name.replace('_', '-')}",))[0]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare every :class:`TrainConfig` option on ``parser`` with its help and default as
+    declared (:func:`option`). An option left out of the command line is left out of the parsed
+    namespace (``argparse.SUPPRESS``), so :meth:`TrainConfig.from_options` knows what was given.
+    """
+    for f in cli_fields():
+        meta = f.metadata
+        flags = meta["flags"] or (f"--{f.name.replace('_', '-')}",)
+        extra = dict(meta["argparse"])
+        if "action" not in extra and f.type in ("int", "float"):
+            extra["type"] = int if f.type == "int" else float
+        if meta["choices"] and extra.get("nargs") == "?":
+            extra["choices"] = tuple(c for c in meta["choices"] if c)
+        shown = "" if extra.get("action") in ("store_true", "store_false") else \
+            f" (default: {f.default!r})"
+        parser.add_argument(*flags, dest=f.name, default=argparse.SUPPRESS,
+                            help=meta["help"] + shown, **extra)
 
 
 def check_writable_dir(path: str, flag: str) -> None:

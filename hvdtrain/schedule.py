@@ -14,13 +14,27 @@ Rules (``lr_scaling``):
 * ``"none"``: ``lr`` unchanged.
 
 Warmup (Goyal et al. 2017, section 2.2, "gradual warmup"): over the first ``warmup_epochs`` epochs
-the rate rises linearly, step by step, from ``base_lr`` to the scaled rate, then stays there.
+the rate rises linearly, step by step, from ``base_lr`` to the scaled rate.
+
+Decay after warmup (:class:`Decay`, ``lr_schedule``), as a multiplier of the scaled rate:
+
+* ``"constant"``: 1.
+* ``"cosine"``: from 1 at the end of warmup down to ``min_ratio`` at the last step along half a
+  cosine (Loshchilov & Hutter 2017, SGDR, without restarts; nanoGPT decays to lr/10, the default
+  ``min_ratio`` 0.1).
+* ``"step"``: ``gamma`` (0.1) more at each boundary (Goyal et al. 2017: /10 at epochs 30, 60 and
+  80 of 90).
+
+Everything is counted in optimizer steps, so a run resumed at another world size (another number
+of steps per epoch) continues on the same curve over its epochs.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 LR_SCALING_RULES = ("linear", "sqrt", "none")
+LR_SCHEDULES = ("constant", "cosine", "step")
 
 
 def resolve_lr_scaling(rule: str | None, op: str = "average") -> str:
@@ -76,13 +90,91 @@ def scaled_lr(base_lr: float, rule: str, size: int, backward_passes_per_step: in
     return base_lr * scale_factor(rule, size, backward_passes_per_step)
 
 
+@dataclass(frozen=True)
+class Decay:
+    """The learning rate's decay after warmup: :meth:`multiplier` of the scaled rate at each
+    optimizer step (see the module docstring for the rules and their sources).
+
+    Attributes:
+        kind: one of :data:`LR_SCHEDULES`.
+        total_steps: optimizer steps of the whole run (epochs x steps per epoch), >= 1.
+        warmup_steps: optimizer steps of warmup; the decay starts where it ends, >= 0.
+        min_ratio: cosine: the last step's rate as a fraction of the peak, in [0, 1].
+        boundaries: step: the optimizer steps at which the rate drops, increasing.
+        gamma: step: the factor at each boundary, in (0, 1].
+    """
+    kind: str = "constant"
+    total_steps: int = 1
+    warmup_steps: float = 0.0
+    min_ratio: float = 0.1
+    boundaries: tuple[float, ...] = ()
+    gamma: float = 0.1
+
+    def __post_init__(self):
+        if self.kind not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}; got "
+                             f"{self.kind!r}")
+        if self.total_steps < 1 or self.warmup_steps < 0:
+            raise ValueError(f"total_steps must be >= 1 and warmup_steps >= 0; got "
+                             f"{self.total_steps} and {self.warmup_steps}")
+        if not 0 <= self.min_ratio <= 1:
+            raise ValueError(f"min_ratio must be in [0, 1]; got {self.min_ratio}")
+        if not 0 < self.gamma <= 1:
+            raise ValueError(f"gamma must be in (0, 1]; got {self.gamma}")
+        if list(self.boundaries) != sorted(self.boundaries):
+            raise ValueError(f"the step boundaries must increase; got {list(self.boundaries)}")
+
+    def multiplier(self, step: float) -> float:
+        """The fraction of the scaled rate at optimizer step ``step`` (0-based): 1 during
+        warmup and for ``"constant"``; for ``"cosine"``, ``min_ratio + (1 - min_ratio) x (1 +
+        cos(pi x p)) / 2`` with ``p`` the share of the steps after warmup done (``p = 1`` at the
+        run's last step, ``total_steps - 1``); for ``"step"``, ``gamma`` to the number of
+        boundaries passed (``step >= boundary``)."""
+        if self.kind == "step":
+            return self.gamma ** sum(step >= b for b in self.boundaries)
+        if self.kind == "constant" or step < self.warmup_steps:
+            return 1.0
+        span = max(self.total_steps - 1 - self.warmup_steps, 1.0)
+        p = min(max((step - self.warmup_steps) / span, 0.0), 1.0)
+        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+
+def decay(kind: str, *, epochs: int, steps_per_epoch: int, warmup_epochs: float = 0.0,
+          min_ratio: float = 0.1, step_epochs: tuple[float, ...] = (),
+          gamma: float = 0.1) -> Decay:
+    """A :class:`Decay` from epochs (what ``hvdtrain train`` takes) at this run's
+    ``steps_per_epoch``.
+
+    Args:
+        kind: one of :data:`LR_SCHEDULES`.
+        epochs: epochs of the run, >= 1; steps_per_epoch: optimizer steps per epoch, >= 1.
+        warmup_epochs: epochs of warmup, >= 0 (the decay starts after it).
+        min_ratio: cosine: the floor as a fraction of the peak.
+        step_epochs: step: the epochs (may be fractional) at which the rate drops by ``gamma``.
+        gamma: step: the factor at each drop.
+
+    Raises:
+        ValueError: bad values (named), or a step epoch outside ``(warmup_epochs, epochs)``.
+    """
+    if epochs < 1 or steps_per_epoch < 1:
+        raise ValueError(f"epochs and steps_per_epoch must be >= 1; got {epochs} and "
+                         f"{steps_per_epoch}")
+    bad = [e for e in step_epochs if not warmup_epochs <= e < epochs]
+    if bad:
+        raise ValueError(f"--lr-steps epochs must lie in [{warmup_epochs:g}, {epochs}) (after "
+                         f"warmup, before the end); got {', '.join(f'{e:g}' for e in bad)}")
+    return Decay(kind, epochs * steps_per_epoch, warmup_epochs * steps_per_epoch, min_ratio,
+                 tuple(e * steps_per_epoch for e in step_epochs), gamma)
+
+
 def lr_at(step: int, *, base_lr: float, rule: str, size: int, backward_passes_per_step: int = 1,
-          warmup_epochs: float = 0.0, steps_per_epoch: int = 1) -> float:
+          warmup_epochs: float = 0.0, steps_per_epoch: int = 1,
+          decay: Decay | None = None) -> float:
     """The learning rate to use for optimizer step ``step`` (0-based, counted across epochs).
 
     During warmup (``step < warmup_epochs x steps_per_epoch``) the rate moves linearly from
     ``base_lr`` at step 0 to the scaled rate at the end of warmup (Goyal et al. 2017, 2.2); after
-    it, the rate is the scaled rate.
+    it, the rate is the scaled rate times ``decay``'s multiplier (constant when None).
 
     Args:
         step: optimizer steps taken so far (0 for the first step).
@@ -92,6 +184,7 @@ def lr_at(step: int, *, base_lr: float, rule: str, size: int, backward_passes_pe
         backward_passes_per_step: micro-batches per optimizer step.
         warmup_epochs: length of the warmup in epochs (may be fractional), >= 0.
         steps_per_epoch: optimizer steps in one epoch, >= 1.
+        decay: the decay after warmup (:class:`Decay`), or None.
 
     Returns:
         The learning rate for that step.
@@ -101,7 +194,8 @@ def lr_at(step: int, *, base_lr: float, rule: str, size: int, backward_passes_pe
             errors of :func:`scale_factor`.
     """
     factor = scale_factor(rule, size, backward_passes_per_step)
-    return base_lr * factor * warmup_multiplier(step, factor, warmup_epochs, steps_per_epoch)
+    return (base_lr * factor * warmup_multiplier(step, factor, warmup_epochs, steps_per_epoch)
+            * (decay.multiplier(step) if decay is not None else 1.0))
 
 
 def warmup_multiplier(step: int, factor: float, warmup_epochs: float, steps_per_epoch: int) -> float:

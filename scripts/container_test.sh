@@ -311,7 +311,7 @@ step "hvdtrain doctor" doctor podman run --rm --name "$MAIN_CONTAINER" "$IMAGE" 
   DOCTOR_RC=$?
 
 MAIN_RC=0
-MNIST=(--dataset mnist --batch-size 32 --lr 0.01 --warmup-epochs 1 --epochs 4)  # make demo's
+MNIST=(--dataset mnist)  # make demo's: the mnist recipe (hvdtrain/datasets/recipes.py)
 step "main job: horovodrun -np 2 -H localhost:2 hvdtrain train --framework torch ${MNIST[*]}" \
   main podman run --rm --name "$MAIN_CONTAINER" -v "$OUT/main:/out" "$IMAGE" \
   horovodrun -np 2 -H localhost:2 hvdtrain train --framework torch "${MNIST[@]}" --no-progress \

@@ -10,7 +10,7 @@ from hvdtrain.keras.adapter import (allreduce_sums, backend, broadcast_state, di
                                     set_micro_batch_count, sync_buffers)
 from hvdtrain.keras.callbacks import (MetricAverageCallback, SyncBuffersCallback, WarmupCallback,
                                       callbacks, warmup)
-from hvdtrain.keras.optimizer import WarmupSchedule
+from hvdtrain.keras.scheduler import WarmupSchedule
 from hvdtrain.keras.sharding import ShardedDataset, micro_batches_per_epoch, shard_dataset
 
 __all__ = ["MetricAverageCallback", "ShardedDataset", "SyncBuffersCallback", "WarmupCallback",

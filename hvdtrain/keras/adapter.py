@@ -39,8 +39,9 @@ from hvdtrain.keras import xla
 # Also importable from here (the trainers call adapter.allreduce_sums, ...).
 from hvdtrain.keras.collectives import allreduce_sums, ranks_where  # noqa: F401
 from hvdtrain.keras.optimizer import (GradientAllreduce, LossScaleHooks, NonFiniteGuard,
-                                      WarmupSchedule, inner, micro_batch_count,  # noqa: F401
+                                      inner, micro_batch_count,  # noqa: F401
                                       set_micro_batch_count, settable_learning_rate)
+from hvdtrain.keras.scheduler import WarmupSchedule
 from hvdtrain.keras.sharding import ShardedDataset
 
 _OPS = {"average": "average"}

@@ -34,14 +34,16 @@ class SyncBuffersCallback(keras.callbacks.Callback):
 class WarmupCallback(keras.callbacks.Callback):
     """Sets the gradual warmup (Goyal et al. 2017) of a distributed optimizer's
     :class:`WarmupSchedule` when training begins: the rate rises linearly from the base lr to the
-    scaled lr over ``warmup_epochs x steps_per_epoch`` optimizer steps, then stays there. The
-    schedule runs inside the training step; this callback reads nothing per batch. A resumed run
+    scaled lr over ``warmup_epochs x steps_per_epoch`` optimizer steps, then stays there or
+    follows ``decay`` (:class:`hvdtrain.schedule.Decay`: cosine or step). The schedule runs inside the training step; this callback reads nothing per batch. A resumed run
     continues the schedule (the step is the optimizer's). Calling :func:`warmup` again (a second
     ``fit`` phase) keeps the base and the scaling: both live in the schedule, not in the current
     rate."""
 
-    def __init__(self, optimizer, warmup_epochs: float, steps_per_epoch: int):
+    def __init__(self, optimizer, warmup_epochs: float, steps_per_epoch: int,
+                 decay: schedule.Decay | None = None):
         super().__init__()
+        self.decay = decay
         self.schedule = schedule_of(optimizer)
         schedule.warmup_multiplier(0, self.schedule.factor, warmup_epochs, steps_per_epoch)
         self._optimizer = optimizer
@@ -50,6 +52,7 @@ class WarmupCallback(keras.callbacks.Callback):
 
     def _apply(self) -> None:
         self.schedule.warmup_steps.assign(self.warmup_epochs * self.steps_per_epoch)
+        self.schedule.set_decay(self.decay)
 
     def lr_at(self, step: int) -> float:
         """The learning rate for optimizer step ``step``."""
@@ -59,21 +62,24 @@ class WarmupCallback(keras.callbacks.Callback):
         self._apply()
 
 
-def warmup(optimizer, *, warmup_epochs: float, steps_per_epoch: int) -> WarmupCallback:
+def warmup(optimizer, *, warmup_epochs: float, steps_per_epoch: int,
+           decay: schedule.Decay | None = None) -> WarmupCallback:
     """A Keras callback that gives the distributed optimizer the schedule of
     :func:`hvdtrain.schedule.lr_at`: from the base lr to the scaled lr over ``warmup_epochs``,
-    then constant (see :class:`WarmupCallback` and :class:`WarmupSchedule`).
+    then ``decay`` (:func:`hvdtrain.schedule.decay`) or constant (see :class:`WarmupCallback`
+    and :class:`~hvdtrain.keras.scheduler.WarmupSchedule`).
 
     Args:
         optimizer: the optimizer returned by :func:`distribute`.
         warmup_epochs: epochs of warmup, >= 0 (0: no warmup).
         steps_per_epoch: optimizer steps per epoch (micro-batches per epoch // k), >= 1.
+        decay: the decay after warmup, in optimizer steps, or None (constant).
 
     Raises:
         ValueError: the optimizer did not come from :func:`distribute`, a negative
             ``warmup_epochs`` or ``steps_per_epoch`` < 1.
     """
-    return WarmupCallback(optimizer, warmup_epochs, steps_per_epoch)
+    return WarmupCallback(optimizer, warmup_epochs, steps_per_epoch, decay)
 
 
 class MetricAverageCallback(keras.callbacks.Callback):
@@ -122,7 +128,8 @@ class _NonFiniteCallback(keras.callbacks.Callback):
         self._check()
 
 
-def callbacks(optimizer, *, warmup_epochs: float = 0.0, steps_per_epoch: int = 1) -> list:
+def callbacks(optimizer, *, warmup_epochs: float = 0.0, steps_per_epoch: int = 1,
+              decay: schedule.Decay | None = None) -> list:
     """The callbacks a data-parallel ``fit`` needs, in order: :class:`MetricAverageCallback`
     (epoch logs and History hold averages over all ranks), :class:`SyncBuffersCallback` (equal
     BatchNormalization statistics on every rank at each epoch's end), the report of skipped
@@ -132,4 +139,5 @@ def callbacks(optimizer, *, warmup_epochs: float = 0.0, steps_per_epoch: int = 1
     guard = getattr(optimizer, "hvdtrain_nonfinite", None)
     return [MetricAverageCallback(), SyncBuffersCallback(),
             *([_NonFiniteCallback(guard)] if guard is not None else []),
-            warmup(optimizer, warmup_epochs=warmup_epochs, steps_per_epoch=steps_per_epoch)]
+            warmup(optimizer, warmup_epochs=warmup_epochs, steps_per_epoch=steps_per_epoch,
+                   decay=decay)]

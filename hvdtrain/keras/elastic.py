@@ -179,8 +179,13 @@ def fit_elastic(cfg: TrainConfig) -> dict:
     model.compile(optimizer=optimizer, loss=train_loss, metrics=["accuracy"], jit_compile=False)
     out = Path(cfg.output_dir)
 
+    # --lr-schedule over the run's committed samples (the steps per epoch change with the size).
+    decay = cfg.decay(steps_per_epoch=len(x_train))
+
     def set_lr() -> None:
-        lr_schedule.scale.assign(schedule.scale_factor(cfg.lr_scaling, hvd.size()))
+        done = state.epoch * len(x_train) + state.done
+        lr_schedule.scale.assign(schedule.scale_factor(cfg.lr_scaling, hvd.size())
+                                 * decay.multiplier(done))
 
     def current_lr() -> float:
         return lr_schedule.lr_at(int(ops.convert_to_numpy(optimizer.iterations)))
@@ -235,6 +240,8 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                                hvd.size())
             for first in range(0, len(mine), cfg.batch_size):
                 idx = mine[first:first + cfg.batch_size]
+                if decay.kind != "constant":
+                    set_lr()
                 if slow:  # the run's optimizer steps so far (k is 1 here)
                     runtime.slow_step(slow, int(ops.convert_to_numpy(train_loss.calls)))
                 loss, accuracy = model.train_on_batch(x_train[idx], split.y_train[idx])

@@ -1,5 +1,5 @@
 """The pieces :func:`hvdtrain.keras.distribute` puts into a Keras 3 optimizer: the learning-rate
-schedule (world-size scaling and warmup, evaluated inside the train step), the grouped all-reduce
+schedule (:class:`~hvdtrain.keras.scheduler.WarmupSchedule`) made settable, the grouped all-reduce
 of the gradients on the optimizer instance, the non-finite guard, and the loss-scale hooks for
 fp16. Backend-neutral (``keras.ops`` and :mod:`hvdtrain.keras.collectives`)."""
 from __future__ import annotations
@@ -8,107 +8,8 @@ import keras
 import numpy as np
 from keras import ops
 
-from hvdtrain import schedule
 from hvdtrain.keras import collectives as B
-
-
-@keras.saving.register_keras_serializable(package="hvdtrain")
-class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
-    """The learning rate of a distributed optimizer, evaluated inside the training step (no host
-    synchronisation, works with ``steps_per_execution``):
-
-    ``lr(step) = base(step) x factor x warmup_multiplier(step)``, with ``step`` the optimizer step
-    (Keras's micro-batch counter ``// backward_passes_per_step``), ``base`` the user's float or
-    ``LearningRateSchedule`` (called with the optimizer step, as in single-process training on
-    the global batch), ``factor`` the world-size scaling (:func:`hvdtrain.schedule.scale_factor`)
-    and the multiplier rising linearly from ``1/factor`` to 1 over ``warmup_steps`` optimizer
-    steps (Goyal et al. 2017, gradual warmup; :func:`hvdtrain.schedule.warmup_multiplier`).
-
-    ``warmup_steps`` and the factor (``scale``) are variables: :func:`warmup` and elastic
-    training's resets change them after the step has been compiled. So is a float base rate
-    (``base_rate``): :meth:`set_rate` changes it (Keras's ``ReduceLROnPlateau`` and
-    ``LearningRateScheduler`` set ``optimizer.learning_rate``, which lands there).
-    """
-
-    def __init__(self, base_lr, factor: float, backward_passes_per_step: int = 1,
-                 warmup_steps: float = 0.0):
-        if isinstance(base_lr, dict):
-            base_lr = keras.saving.deserialize_keras_object(base_lr)
-        # A schedule is called with the step; a float lives in a variable (set_rate changes it).
-        self.base_lr = base_lr if callable(base_lr) else None
-        self.base_rate = (None if callable(base_lr) else
-                          keras.Variable(float(base_lr), dtype="float32", trainable=False,
-                                         name="hvdtrain_base_lr"))
-        self.backward_passes_per_step = int(backward_passes_per_step)
-        self.scale = keras.Variable(float(factor), dtype="float32", trainable=False,
-                                    name="hvdtrain_lr_scale")
-        self.warmup_steps = keras.Variable(float(warmup_steps), dtype="float32",
-                                           trainable=False, name="hvdtrain_warmup_steps")
-
-    @property
-    def factor(self) -> float:
-        """The world-size scaling factor (a variable: elastic training changes it on a reset)."""
-        return float(ops.convert_to_numpy(self.scale))
-
-    def __call__(self, iterations):
-        step = ops.cast(ops.floor_divide(iterations, self.backward_passes_per_step), "float32")
-        base = (self.base_lr(step) if self.base_rate is None
-                else ops.convert_to_tensor(self.base_rate))
-        w = ops.convert_to_tensor(self.warmup_steps)
-        f = ops.convert_to_tensor(self.scale)
-        ramp = (1.0 + (f - 1.0) * step / ops.maximum(w, 1e-12)) / f
-        multiplier = ops.where(step < w, ramp, ops.ones_like(ramp))
-        return ops.cast(base, "float32") * f * multiplier
-
-    @property
-    def base(self):
-        """The user's base rate now: the ``LearningRateSchedule``, or the float (as
-        :meth:`set_rate` last left it)."""
-        return self.base_lr if self.base_rate is None else float(
-            ops.convert_to_numpy(self.base_rate))
-
-    def lr_at(self, step: int) -> float:
-        """The learning rate of optimizer step ``step`` (Python float)."""
-        base = self.base
-        if callable(base):
-            base = float(ops.convert_to_numpy(base(float(step))))
-        warmup_steps = float(ops.convert_to_numpy(self.warmup_steps))
-        warmup_epochs, per_epoch = (warmup_steps, 1) if warmup_steps else (0.0, 1)
-        return float(base) * self.factor * schedule.warmup_multiplier(
-            step, self.factor, warmup_epochs, per_epoch)
-
-    def set_rate(self, rate: float, iterations) -> None:
-        """Make the rate of the current step ``rate``, keeping the warmup's shape: the base rate
-        becomes ``rate / (factor x warmup multiplier now)`` (so ``rate x 0.1`` divides every
-        later step's rate by 10, and a rate set to its current value changes nothing).
-
-        Args:
-            rate: the learning rate from now on, as ``optimizer.learning_rate`` reads it (scaled
-                for the world size, in the warmup's current proportion).
-            iterations: Keras's micro-batch counter (``optimizer.iterations`` of the inner
-                optimizer's ``_iterations``).
-
-        Raises:
-            TypeError: the base rate is a ``LearningRateSchedule`` (as Keras refuses a float
-                for an optimizer created with a schedule).
-        """
-        if self.base_rate is None:
-            raise TypeError("this optimizer's base learning rate is a LearningRateSchedule, so "
-                            "its rate is not settable (as in Keras): give distribute() an "
-                            "optimizer created with a float learning_rate to set it from a "
-                            "callback")
-        now = float(ops.convert_to_numpy(self(iterations)))
-        base = float(ops.convert_to_numpy(self.base_rate))
-        self.base_rate.assign(float(rate) * base / now if now else float(rate))
-
-    def get_config(self):
-        base = self.base
-        if isinstance(base, keras.optimizers.schedules.LearningRateSchedule):
-            base = keras.saving.serialize_keras_object(base)
-        return {"base_lr": base, "factor": self.factor,
-                "backward_passes_per_step": self.backward_passes_per_step,
-                "warmup_steps": float(ops.convert_to_numpy(self.warmup_steps))}
-
+from hvdtrain.keras.scheduler import WarmupSchedule
 
 
 def _set_learning_rate(optimizer, value) -> None:

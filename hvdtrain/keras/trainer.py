@@ -172,7 +172,8 @@ def _fit(cfg: TrainConfig, info, signals) -> dict:
     run.open(len(x_train), len(x_test), steps_per_epoch, resumed, at)
     # The run averages the buffers at each epoch's end itself (hvdtrain.run.training).
     callbacks = [c for c in fit_callbacks(optimizer, warmup_epochs=cfg.warmup_epochs,
-                                          steps_per_epoch=steps_per_epoch)
+                                          steps_per_epoch=steps_per_epoch,
+                                          decay=cfg.decay(steps_per_epoch))
                  if not isinstance(c, SyncBuffersCallback)]
     warmup = callbacks[-1]
     flags = optimizer.hvdtrain_allreduce.preempt = PreemptFlags()  # in the gradient all-reduce

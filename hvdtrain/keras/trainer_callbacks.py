@@ -19,7 +19,7 @@ from hvdtrain.tensorboard import StepMeter
 
 class StopOnSignal(keras.callbacks.Callback):
     """Stops ``fit`` on every rank after the same optimizer step once any rank got SIGTERM or
-    SIGUSR1 (:mod:`hvdtrain.preempt`): a rank that saw a signal sets its
+    SIGUSR1 (:mod:`hvdtrain.run.preempt`): a rank that saw a signal sets its
     :class:`~hvdtrain.keras.optimizer.PreemptFlags` before the next batch, the step's gradient
     all-reduce carries them, and after each optimizer step (every k-th batch) every rank reads
     the all-reduced flags, the same on every rank.

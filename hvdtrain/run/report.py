@@ -76,6 +76,7 @@ class RunHeader:
     versions: dict
     large_batch_warning: str | None
     elastic: bool
+    recipe: dict  # the dataset recipe's options this run took (hvdtrain.datasets.recipes)
     # Filled in by the run where it applies: the checkpoint resumed from, optimizer steps
     # skipped for non-finite losses and (fp16) for overflowing gradients (kept current, so a run
     # stopped in its first epoch records them too), whether every rank ended with the same
@@ -118,6 +119,9 @@ def run_header(framework: str, cfg, info, train_samples: int, test_samples: int,
                                                                               info.size, k))
     if warning and info.rank == 0:
         log.warning("warning: %s", warning)
+    if cfg.recipe:
+        log.info("--dataset %s defaults: %s (options given on the command line win)", cfg.dataset,
+                 ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in cfg.recipe.items()))
     if info.horovod_settings:
         log.info("Horovod settings: %s", tuning.describe_settings(info.horovod_settings))
     return asdict(RunHeader(
@@ -128,7 +132,7 @@ def run_header(framework: str, cfg, info, train_samples: int, test_samples: int,
         steps_per_epoch=steps_per_epoch, train_samples=train_samples, test_samples=test_samples,
         threads_per_rank=info.threads, device=info.device, precision=cfg.precision,
         horovod_settings=info.horovod_settings, config=cfg.to_dict(), versions=dict(versions),
-        large_batch_warning=warning, elastic=bool(cfg.elastic)))
+        large_batch_warning=warning, elastic=bool(cfg.elastic), recipe=dict(cfg.recipe)))
 
 
 def setup_logging(rank: int) -> None:

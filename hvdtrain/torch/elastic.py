@@ -80,8 +80,12 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                                           broadcast=False)
     out = Path(cfg.output_dir)
 
+    # --lr-schedule over the run's committed samples (the steps per epoch change with the size).
+    decay = cfg.decay(steps_per_epoch=len(train_set))
+
     def set_lr() -> None:
-        lr = schedule.scaled_lr(cfg.lr, cfg.lr_scaling, hvd.size())
+        done = state.epoch * len(train_set) + min(state.samples, len(train_set))
+        lr = schedule.scaled_lr(cfg.lr, cfg.lr_scaling, hvd.size()) * decay.multiplier(done)
         for group in optimizer.param_groups:
             group["lr"] = lr
 
@@ -118,6 +122,8 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                 state.sizes = state.sizes + [hvd.size()]
             model.train()
             for x, y in loader:
+                if decay.kind != "constant":
+                    set_lr()
                 runtime.slow_step(slow, state.step)
                 logits = model(x)
                 loss = F.cross_entropy(logits, y)

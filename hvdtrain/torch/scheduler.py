@@ -1,7 +1,8 @@
 """The PyTorch learning-rate warmup: :class:`Warmup`, the scheduler :func:`warmup` returns
 (Goyal et al. 2017, gradual warmup on top of the rate :func:`hvdtrain.torch.distribute`
-scaled), composed with a scheduler of the user's. (Keras: :class:`hvdtrain.keras.WarmupSchedule`
-and :func:`hvdtrain.keras.warmup`.)
+scaled) and the decay after it (:class:`hvdtrain.schedule.Decay`: cosine or step), or composed
+with a scheduler of the user's instead. (Keras: :class:`hvdtrain.keras.WarmupSchedule` and
+:func:`hvdtrain.keras.warmup`.)
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ class Warmup:
     composed with an optional scheduler of the user's (cosine, step, OneCycle, ...).
 
     Each group's rate is ``scheduled x schedule.warmup_multiplier(step, factor, warmup_epochs,
-    steps_per_epoch)``, where ``scheduled`` is the rate the user's scheduler sets (or the scaled
+    steps_per_epoch) x decay.multiplier(step)`` (the decay's factor is 1 without one), where ``scheduled`` is the rate the user's scheduler sets (or the scaled
     rate when there is none) and ``factor`` is the group's ``hvdtrain_lr_scale``: the rate climbs
     from the base rate to the scaled one over the warmup, then the user's schedule alone rules.
     Before each step of the user's scheduler the warmup factor is taken out again, so recursive
@@ -30,8 +31,10 @@ class Warmup:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, warmup_epochs: float,
-                 steps_per_epoch: int, scheduler=None):
-        self.optimizer, self.scheduler = optimizer, scheduler
+                 steps_per_epoch: int, decay: schedule.Decay | None = None, scheduler=None):
+        if decay is not None and scheduler is not None:
+            raise ValueError("give warmup() a decay or a scheduler of your own, not both")
+        self.optimizer, self.scheduler, self.decay = optimizer, scheduler, decay
         self.warmup_epochs, self.steps_per_epoch = warmup_epochs, steps_per_epoch
         self.factors = []
         for group in optimizer.param_groups:
@@ -52,7 +55,8 @@ class Warmup:
     def _apply(self) -> None:
         for group, rate, factor in zip(self.optimizer.param_groups, self._scheduled, self.factors):
             group["lr"] = rate * schedule.warmup_multiplier(
-                self.last_step, factor, self.warmup_epochs, self.steps_per_epoch)
+                self.last_step, factor, self.warmup_epochs, self.steps_per_epoch) * (
+                self.decay.multiplier(self.last_step) if self.decay is not None else 1.0)
 
     def step(self) -> None:
         """Advance one optimizer step: the user's scheduler first (on the un-warmed rates), then
@@ -86,9 +90,10 @@ class Warmup:
 
 
 def warmup(optimizer: torch.optim.Optimizer, *, warmup_epochs: float,
-           steps_per_epoch: int, scheduler=None) -> Warmup:
+           steps_per_epoch: int, decay: schedule.Decay | None = None, scheduler=None) -> Warmup:
     """A :class:`Warmup`: from the base lr to the scaled lr over ``warmup_epochs`` (Goyal et al.
-    2017, gradual warmup), composed with ``scheduler`` if given, else constant afterwards.
+    2017, gradual warmup), then ``decay`` (:func:`hvdtrain.schedule.decay`: cosine or step) if
+    given, or ``scheduler`` if given, else constant.
 
     Call ``.step()`` after each ``optimizer.step()`` (and not ``scheduler.step()`` as well: the
     warmup steps it). Works on an optimizer returned by :func:`distribute` (whose param groups
@@ -98,12 +103,15 @@ def warmup(optimizer: torch.optim.Optimizer, *, warmup_epochs: float,
         optimizer: the optimizer returned by :func:`distribute`.
         warmup_epochs: epochs of warmup, >= 0 (0: no warmup).
         steps_per_epoch: optimizer steps per epoch (see ``schedule.steps_per_epoch``).
+        decay: the decay after warmup, in optimizer steps; the rate at every step is then
+            :func:`hvdtrain.schedule.lr_at` with it, also after ``load_state_dict``.
         scheduler: a ``torch.optim.lr_scheduler`` scheduler built on that optimizer after
             :func:`distribute` (so its rates start from the scaled lr), or None.
 
     Raises:
         ValueError: the optimizer did not come from :func:`distribute`, the scheduler drives
-            another optimizer's groups, or a bad ``warmup_epochs``/``steps_per_epoch``.
+            another optimizer's groups, both ``decay`` and ``scheduler`` are given, or a bad
+            ``warmup_epochs``/``steps_per_epoch``.
     """
     return Warmup(optimizer, warmup_epochs=warmup_epochs, steps_per_epoch=steps_per_epoch,
-                  scheduler=scheduler)
+                  decay=decay, scheduler=scheduler)

@@ -101,7 +101,8 @@ def fit(cfg: TrainConfig) -> dict:
     batches_per_epoch = len(loader)
     steps_per_epoch = schedule.steps_per_epoch(batches_per_epoch, k)
     scheduler = adapter.warmup(optimizer, warmup_epochs=cfg.warmup_epochs,
-                               steps_per_epoch=steps_per_epoch)
+                               steps_per_epoch=steps_per_epoch,
+                               decay=cfg.decay(steps_per_epoch))
     at = run.position(resumed)
     # The schedule position at this run's world size.
     step = at.epoch * steps_per_epoch + (at.partial["steps_taken"] if at.partial else 0)

@@ -244,3 +244,19 @@ def test_elastic_trains_with_the_dropout_and_compression_asked_for(tmp_path, fra
             assert m["config"][extra[0][2:]] == (0.5 if name == "dropout" else "fp16")
     print(framework, losses)
     assert losses["dropout"] != losses["plain"] and losses["fp16"] != losses["plain"]
+
+
+@pytest.mark.parametrize("framework", ["torch", "keras"])
+def test_elastic_follows_the_lr_schedule(tmp_path, framework):
+    """--lr-schedule in elastic mode: a cosine over the run's committed samples (the steps per
+    epoch change with the world size), no warmup. Each epoch records the rate of its last step:
+    about 0.55 of the scaled rate halfway, the floor (0.1) at the end."""
+    proc = elastic_local(tmp_path / "cos", framework, "--epochs", "2", "--dataset", "synthetic",
+                         "--synthetic-samples", "1280", "--lr-schedule", "cosine")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    m = json.loads((tmp_path / "cos" / "run" / "metrics.json").read_text())
+    peak = m["scaled_lr"]
+    first, last = (e["lr"] / peak for e in m["epochs"])
+    print(framework, "lr / scaled lr at each epoch's end:", first, last)
+    assert 0.5 < first < 0.6 and 0.1 <= last < 0.11
+    assert m["config"]["lr_schedule"] == "cosine" and m["warmup_epochs"] == 0

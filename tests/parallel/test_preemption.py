@@ -11,8 +11,10 @@ import pytest
 from jobs import Console
 from test_reliability import load_checkpoint, metrics, pids_of, run, start, train
 
+# A cosine schedule: the rate changes at every step, so a resumed run on another point of the
+# curve would show in the weights and the recorded rates.
 ARGS = ["--dataset", "synthetic", "--synthetic-samples", "6000", "--no-progress", "--epochs",
-        "3", "-k", "2", "--warmup-epochs", "1"]
+        "3", "-k", "2", "--warmup-epochs", "1", "--lr-schedule", "cosine"]
 # 4,800 training samples / (2 ranks x 16 x k=2) = 75 optimizer steps per epoch. The signalled
 # run's steps from epoch 2 on take >= 0.04 s each, so epoch 2 lasts >= 3 s on any machine and a
 # signal sent 0.3 s after epoch 1 is recorded lands in it (unslowed, an epoch took 0.3 s on a
@@ -75,6 +77,8 @@ def test_signal_mid_epoch_checkpoints_and_resume_auto_matches_an_uninterrupted_r
         assert a["test_accuracy"] == pytest.approx(b["test_accuracy"], abs=1e-9)
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6)
         assert a["optimizer_steps"] == b["optimizer_steps"] and a["lr"] == pytest.approx(b["lr"])
+    rates = [e["lr"] for e in reference["epochs"]]  # each epoch's first step: warmup, then down
+    assert rates[1] > rates[2] > 0
 
 
 @pytest.mark.parametrize("framework", ["torch", "keras"])

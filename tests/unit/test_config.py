@@ -98,3 +98,62 @@ def test_fault_slow_from_sleeps_from_its_step_on(tmp_path, monkeypatch):
         runtime.slow_step(c.slow_fault(), step)
     runtime.slow_step(None, 500)
     assert slept == [0.04, 0.04]
+
+
+def test_every_option_is_declared_once_with_help_and_reaches_the_parser():
+    import argparse
+
+    from hvdtrain.config import add_arguments, cli_fields, flag_of
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    actions = {a.dest: a for a in parser._actions}
+    for f in cli_fields():
+        assert f.metadata["help"], f.name
+        assert actions[f.name].option_strings[0] == flag_of(f)
+        assert f.metadata["help"] in actions[f.name].help
+    assert "recipe" not in actions  # not an option: what the dataset's recipe filled in
+
+
+def test_a_datasets_recipe_fills_what_the_command_line_leaves_out(tmp_path):
+    from hvdtrain.datasets.recipes import RECIPES
+    cfg = TrainConfig.from_options({"dataset": "mnist", "lr": 0.05,
+                                    "output_dir": str(tmp_path)}).validate()
+    assert cfg.lr == 0.05 and "lr" not in cfg.recipe  # given: wins
+    for key, value in RECIPES["mnist"].items():
+        if key != "lr":
+            assert getattr(cfg, key) == value and cfg.recipe[key] == value
+    digits = TrainConfig.from_options({"output_dir": str(tmp_path)}).validate()
+    assert digits.recipe == {} and digits == TrainConfig(output_dir=str(tmp_path)).validate()
+    # Elastic runs have no warmup: the recipe's is not taken (and so not refused).
+    elastic = TrainConfig.from_options({"dataset": "mnist", "elastic": True,
+                                        "output_dir": str(tmp_path)}).validate()
+    assert "warmup_epochs" not in elastic.recipe
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(lr_schedule="linear"), "--lr-schedule must be one of constant, cosine, step"),
+    (dict(lr_schedule="step"), "--lr-schedule step needs --lr-steps"),
+    (dict(lr_steps="30"), "--lr-steps is for --lr-schedule step"),
+    (dict(lr_schedule="step", lr_steps="a,b"), "--lr-steps 'a,b'"),
+    (dict(lr_schedule="step", lr_steps="20", epochs=15), r"must lie in \[2, 15\)"),
+    (dict(lr_min_ratio=-0.1), "--lr-min-ratio must be in"),
+])
+def test_lr_schedule_options_are_checked_before_any_work(tmp_path, kw, match):
+    with pytest.raises(ConfigError, match=match):
+        cfg(tmp_path, **kw).validate()
+
+
+@pytest.mark.parametrize("name,value", [
+    ("backward_passes_per_step", 2), ("warmup_epochs", 1.0), ("resume", "auto"),
+    ("precision", "bf16"), ("batchnorm", True), ("op", "adasum")])
+def test_an_option_elastic_runs_cannot_honour_is_refused_naming_it(tmp_path, name, value):
+    """Each option declares whether elastic runs honour it; one they cannot is refused before
+    any work, never dropped. The declarations and this list agree."""
+    from hvdtrain.config import cli_fields, flag_of
+    declared = {f.name: flag_of(f) for f in cli_fields() if f.metadata["elastic"]}
+    assert set(declared) == {"backward_passes_per_step", "warmup_epochs", "resume", "precision",
+                             "batchnorm", "op"}
+    extra = {"lr_scaling": "none"} if name == "op" else {}
+    with pytest.raises(ConfigError, match=f"--elastic .*; drop {declared[name]}$"):
+        cfg(tmp_path, elastic=True, **{name: value}, **extra).validate()
+    cfg(tmp_path, elastic=True, warmup_epochs=0.0).validate()  # no warmup: what elastic does

@@ -74,3 +74,91 @@ def test_lr_at_errors(kw, match):
 @pytest.mark.parametrize("n,k,expected", [(12, 4, 3), (13, 4, 4), (1, 8, 1), (7, 1, 7)])
 def test_steps_per_epoch_counts_partial_groups(n, k, expected):
     assert schedule.steps_per_epoch(n, k) == expected
+
+
+# --lr-schedule: the decay after warmup, in optimizer steps (4 epochs of 10 steps, 1 of warmup).
+def _lr(step, kind, **kw):
+    decay = schedule.decay(kind, epochs=4, steps_per_epoch=10, warmup_epochs=1, **kw)
+    return schedule.lr_at(step, base_lr=0.01, rule="linear", size=2, warmup_epochs=1,
+                          steps_per_epoch=10, decay=decay)
+
+
+def test_cosine_peaks_at_warmup_end_halves_midway_and_ends_at_the_floor():
+    assert _lr(0, "cosine") == pytest.approx(0.01)  # warmup starts at the base rate
+    assert _lr(10, "cosine") == pytest.approx(0.02)  # warmup's end: the scaled peak
+    # Midway through the 29 steps after warmup (step 24.5): (1 + 0.1) / 2 of the peak.
+    mid = schedule.decay("cosine", epochs=4, steps_per_epoch=10, warmup_epochs=1)
+    assert 0.02 * mid.multiplier(24.5) == pytest.approx(0.02 * 0.55)
+    assert _lr(39, "cosine") == pytest.approx(0.002)  # the last step: peak / 10
+    assert _lr(39, "cosine", min_ratio=0.0) == pytest.approx(0.0, abs=1e-12)
+    rates = [_lr(s, "cosine") for s in range(10, 40)]
+    assert all(a > b for a, b in zip(rates, rates[1:]))  # decreasing after warmup
+
+
+def test_step_drops_tenfold_at_each_boundary():
+    rates = {s: _lr(s, "step", step_epochs=(2, 3)) for s in (10, 19, 20, 29, 30, 39)}
+    assert rates == pytest.approx({10: 0.02, 19: 0.02, 20: 0.002, 29: 0.002, 30: 0.0002,
+                                   39: 0.0002})
+
+
+def test_constant_keeps_the_scaled_rate():
+    assert [_lr(s, "constant") for s in (10, 25, 39)] == pytest.approx([0.02] * 3)
+
+
+def test_a_run_resumed_at_another_size_continues_on_the_same_curve():
+    """Resumed after epoch 2 of 4 at twice the world size (half the steps per epoch): its first
+    step's multiplier is the one the first run would have had at the start of epoch 3."""
+    first = schedule.decay("cosine", epochs=4, steps_per_epoch=10, warmup_epochs=1)
+    second = schedule.decay("cosine", epochs=4, steps_per_epoch=5, warmup_epochs=1)
+    assert second.multiplier(2 * 5) == pytest.approx(first.multiplier(2 * 10), rel=0.03)
+    assert second.multiplier(19) == pytest.approx(first.multiplier(39)) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(kind="linear"), "lr_schedule must be one of constant, cosine, step"),
+    (dict(kind="step", step_epochs=(0.5,)), r"--lr-steps epochs must lie in \[1, 4\)"),
+    (dict(kind="step", step_epochs=(4,)), r"must lie in \[1, 4\)"),
+    (dict(kind="cosine", min_ratio=1.5), "min_ratio must be in"),
+])
+def test_decay_errors(kw, match):
+    kind = kw.pop("kind")
+    with pytest.raises(ValueError, match=match):
+        schedule.decay(kind, epochs=4, steps_per_epoch=10, warmup_epochs=1, **kw)
+
+
+def test_torch_warmup_applies_the_decay_and_resumes_on_it():
+    torch = pytest.importorskip("torch")
+    from hvdtrain.torch.scheduler import Warmup
+    decay = schedule.decay("cosine", epochs=4, steps_per_epoch=10, warmup_epochs=1)
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([param], lr=0.02)
+    opt.param_groups[0]["hvdtrain_lr_scale"] = 2.0
+    warm = Warmup(opt, warmup_epochs=1, steps_per_epoch=10, decay=decay)
+    seen = []
+    for _ in range(40):
+        seen.append(opt.param_groups[0]["lr"])
+        warm.step()
+    assert seen == pytest.approx([_lr(s, "cosine") for s in range(40)])
+    resumed = torch.optim.SGD([param], lr=0.02)  # a resumed run's optimizer at the scaled rate
+    resumed.param_groups[0]["hvdtrain_lr_scale"] = 2.0
+    again = Warmup(resumed, warmup_epochs=1, steps_per_epoch=10, decay=decay)
+    again.load_state_dict({"last_step": 25})
+    assert resumed.param_groups[0]["lr"] == pytest.approx(_lr(25, "cosine"))
+    with pytest.raises(ValueError, match="a decay or a scheduler"):
+        Warmup(opt, warmup_epochs=1, steps_per_epoch=10, decay=decay,
+               scheduler=torch.optim.lr_scheduler.StepLR(opt, 5))
+
+
+def test_keras_schedule_follows_the_same_decay_inside_the_step():
+    pytest.importorskip("keras")
+    import numpy as np
+    from keras import ops
+
+    from hvdtrain.keras.scheduler import WarmupSchedule
+    for kind, kw in (("cosine", {}), ("step", {"step_epochs": (2, 3)})):
+        decay = schedule.decay(kind, epochs=4, steps_per_epoch=10, warmup_epochs=1, **kw)
+        lr = WarmupSchedule(0.01, 2.0, backward_passes_per_step=2, warmup_steps=10, decay=decay)
+        traced = [float(ops.convert_to_numpy(lr(np.int64(2 * s)))) for s in range(40)]
+        assert traced == pytest.approx([_lr(s, kind, **kw) for s in range(40)], rel=1e-5)
+        assert [lr.lr_at(s) for s in range(40)] == pytest.approx(traced, rel=1e-5)
+        assert WarmupSchedule(**lr.get_config()).lr_at(25) == pytest.approx(lr.lr_at(25))

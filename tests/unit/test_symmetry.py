@@ -85,5 +85,5 @@ def test_torch_and_keras_have_the_same_files():
     keras_files = {p.name for p in (root / "keras").glob("*.py")}
     keras_extra = {"callbacks.py", "optimizer.py", "sharding.py",
                    "trainer_callbacks.py", "xla.py"}
-    torch_extra = {"buffers.py", "scheduler.py"}
+    torch_extra = {"buffers.py"}
     assert torch_files - torch_extra == keras_files - keras_extra
