@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 LR_SCALING_RULES = ("linear", "sqrt", "none")
 LR_SCHEDULES = ("constant", "cosine", "step")
+MAX_LR_STEPS = 8  # step boundaries a schedule takes (Keras holds them in a fixed-size variable)
 
 
 def resolve_lr_scaling(rule: str | None, op: str = "average") -> str:
@@ -150,7 +151,9 @@ def decay(kind: str, *, epochs: int, steps_per_epoch: int, warmup_epochs: float 
         epochs: epochs of the run, >= 1; steps_per_epoch: optimizer steps per epoch, >= 1.
         warmup_epochs: epochs of warmup, >= 0 (the decay starts after it).
         min_ratio: cosine: the floor as a fraction of the peak.
-        step_epochs: step: the epochs (may be fractional) at which the rate drops by ``gamma``.
+        step_epochs: step: the epochs (may be fractional) at which the rate drops by ``gamma``
+            (from the first whole optimizer step at or after each), at most
+            :data:`MAX_LR_STEPS`.
         gamma: step: the factor at each drop.
 
     Raises:
@@ -163,8 +166,13 @@ def decay(kind: str, *, epochs: int, steps_per_epoch: int, warmup_epochs: float 
     if bad:
         raise ValueError(f"--lr-steps epochs must lie in [{warmup_epochs:g}, {epochs}) (after "
                          f"warmup, before the end); got {', '.join(f'{e:g}' for e in bad)}")
+    if len(step_epochs) > MAX_LR_STEPS:
+        raise ValueError(f"at most {MAX_LR_STEPS} --lr-steps; got {len(step_epochs)}")
+    # A drop takes effect at the first whole step at or after its epoch: whole numbers, so the
+    # compiled Keras step (float32) and Python agree to the step.
+    boundaries = tuple(float(math.ceil(round(e * steps_per_epoch, 6))) for e in step_epochs)
     return Decay(kind, epochs * steps_per_epoch, warmup_epochs * steps_per_epoch, min_ratio,
-                 tuple(e * steps_per_epoch for e in step_epochs), gamma)
+                 boundaries, gamma)
 
 
 def lr_at(step: int, *, base_lr: float, rule: str, size: int, backward_passes_per_step: int = 1,

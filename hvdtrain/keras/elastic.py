@@ -188,7 +188,8 @@ def fit_elastic(cfg: TrainConfig) -> dict:
                                  * decay.multiplier(done))
 
     def current_lr() -> float:
-        return lr_schedule.lr_at(int(ops.convert_to_numpy(optimizer.iterations)))
+        # The schedule's scale holds the world-size factor x the decay (set_lr): no warmup here.
+        return cfg.lr * lr_schedule.factor
 
     # seen: samples whose loss was finite (the epoch's loss and accuracy are over these);
     # skipped, epoch_skipped: optimizer steps skipped for non-finite gradients (run, epoch);

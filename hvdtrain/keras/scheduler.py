@@ -14,7 +14,7 @@ from keras import ops
 
 from hvdtrain import schedule
 
-MAX_LR_STEPS = 8  # step decay boundaries a WarmupSchedule holds
+MAX_LR_STEPS = schedule.MAX_LR_STEPS  # step decay boundaries a WarmupSchedule holds
 NO_BOUNDARY = 3.0e38  # a padded boundary no step reaches
 
 

@@ -31,6 +31,9 @@ from hvdtrain.files import write_json
 from hvdtrain.tensorboard import Board
 
 METRICS_FILE = "metrics.json"
+# What metrics.json holds beside the RunHeader: the epochs (EpochMetrics; elastic runs add
+# "samples" and "sizes"), the last epoch's test accuracy and the run's samples per second.
+RUN_RESULTS = ("epochs", "final_test_accuracy", "samples_per_sec")
 log = logging.getLogger("hvdtrain")
 
 

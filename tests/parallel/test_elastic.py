@@ -260,3 +260,8 @@ def test_elastic_follows_the_lr_schedule(tmp_path, framework):
     print(framework, "lr / scaled lr at each epoch's end:", first, last)
     assert 0.5 < first < 0.6 and 0.1 <= last < 0.11
     assert m["config"]["lr_schedule"] == "cosine" and m["warmup_epochs"] == 0
+    # The same metrics.json schema as the other modes (hvdtrain.run.report.RunHeader + results),
+    # each epoch with the elastic extras.
+    from hvdtrain.run.report import RUN_RESULTS, RunHeader
+    assert set(m) == set(RunHeader.__dataclass_fields__) | set(RUN_RESULTS)
+    assert {"samples", "sizes"} <= set(m["epochs"][0])

@@ -6,6 +6,10 @@ from pathlib import Path
 
 from jobs import horovodrun, job_env, run
 
+from hvdtrain.run.report import RUN_RESULTS, RunHeader
+
+SCHEMA = set(RunHeader.__dataclass_fields__) | set(RUN_RESULTS)
+
 
 def keys(obj, prefix=""):
     """All key paths of nested dicts (lists: their first element)."""
@@ -29,6 +33,10 @@ def test_same_metrics_keys_and_report(tmp_path):
     torch_keys = keys(metrics["torch"]) - {k for k in keys(metrics["torch"]) if k.startswith("versions.")}
     keras_keys = keys(metrics["keras"]) - {k for k in keys(metrics["keras"]) if k.startswith("versions.")}
     assert torch_keys == keras_keys
+    # The schema is declared once (hvdtrain.run.report.RunHeader + the results) and every
+    # trainer writes exactly it.
+    for m in metrics.values():
+        assert set(m) == SCHEMA
     assert {"epochs.[].test_accuracy", "epochs.[].samples_per_sec", "global_batch", "size"} <= torch_keys
 
     exe = Path(sys.executable).parent / "hvdtrain"

@@ -137,6 +137,8 @@ def test_a_datasets_recipe_fills_what_the_command_line_leaves_out(tmp_path):
     (dict(lr_schedule="step", lr_steps="a,b"), "--lr-steps 'a,b'"),
     (dict(lr_schedule="step", lr_steps="20", epochs=15), r"must lie in \[2, 15\)"),
     (dict(lr_min_ratio=-0.1), "--lr-min-ratio must be in"),
+    (dict(lr_schedule="step", lr_steps="3,4,5,6,7,8,9,10,11", epochs=15),
+     "at most 8 --lr-steps"),
 ])
 def test_lr_schedule_options_are_checked_before_any_work(tmp_path, kw, match):
     with pytest.raises(ConfigError, match=match):

@@ -10,6 +10,7 @@ import pytest
 from hvdtrain import guard
 from hvdtrain.config import TrainConfig
 from hvdtrain.run import preempt
+from hvdtrain.run.report import RUN_RESULTS, RunHeader
 from hvdtrain.run.training import EPOCH_SUMS, Position, Run
 from hvdtrain.runtime import RankInfo
 
@@ -181,5 +182,7 @@ def test_a_diverged_epoch_is_recorded_but_not_checkpointed(tmp_path):
 def test_finish_says_whether_the_ranks_agree(tmp_path):
     run = _run(tmp_path)
     run.open(100, 20, 10, None, Position())
-    assert run.finish()["ranks_agree"] is True
+    result = run.finish()
+    assert result["ranks_agree"] is True
+    assert set(result) == set(RunHeader.__dataclass_fields__) | set(RUN_RESULTS)
     assert json.loads((tmp_path / "metrics.json").read_text())["ranks_agree"] is True

@@ -162,3 +162,20 @@ def test_keras_schedule_follows_the_same_decay_inside_the_step():
         assert traced == pytest.approx([_lr(s, kind, **kw) for s in range(40)], rel=1e-5)
         assert [lr.lr_at(s) for s in range(40)] == pytest.approx(traced, rel=1e-5)
         assert WarmupSchedule(**lr.get_config()).lr_at(25) == pytest.approx(lr.lr_at(25))
+
+
+def test_a_fractional_step_epoch_drops_at_the_same_whole_step_in_python_and_keras():
+    """--lr-steps 2.2 at 25 steps per epoch: 2.2 x 25 is 55.00000000000001 in floats; the drop
+    takes effect at step 55 (the first whole step at or after it) in both, not 55 in the
+    float32 Keras step and 56 in Python."""
+    decay = schedule.decay("step", epochs=10, steps_per_epoch=25, step_epochs=(2.2,))
+    assert decay.boundaries == (55.0,)
+    assert [decay.multiplier(s) for s in (54, 55)] == [1.0, pytest.approx(0.1)]
+    pytest.importorskip("keras")
+    import numpy as np
+    from keras import ops
+
+    from hvdtrain.keras.scheduler import WarmupSchedule
+    lr = WarmupSchedule(1.0, 1.0, decay=decay)
+    assert [float(ops.convert_to_numpy(lr(np.int64(s)))) for s in (54, 55)] == pytest.approx(
+        [1.0, 0.1])
