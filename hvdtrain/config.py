@@ -142,13 +142,14 @@ class TrainConfig:
         """The configuration for the options a user gave (``given``: field -> value): the
         dataset's recipe (:data:`hvdtrain.datasets.recipes.RECIPES`) fills what ``given``
         leaves out, then these defaults; ``recipe`` records the recipe's values used. An
-        elastic run takes no warmup from a recipe. Not validated (call :meth:`validate`).
+        elastic run takes none of the recipe's options it cannot honour (those declared with an
+        ``elastic`` reason, e.g. warmup). Not validated (call :meth:`validate`).
         """
         from hvdtrain.datasets.recipes import RECIPES
         dataset = given.get("dataset", cls.__dataclass_fields__["dataset"].default)
-        used = {k: v for k, v in RECIPES.get(dataset, {}).items() if k not in given}
-        if given.get("elastic"):
-            used.pop("warmup_epochs", None)
+        refused = {f.name for f in cli_fields() if given.get("elastic") and f.metadata["elastic"]}
+        used = {k: v for k, v in RECIPES.get(dataset, {}).items()
+                if k not in given and k not in refused}
         return cls(**{**used, **given}, recipe=used)
 
     def global_batch(self, size: int) -> int:

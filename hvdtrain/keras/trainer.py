@@ -154,9 +154,9 @@ def _fit(cfg: TrainConfig, info, signals) -> dict:
     resumed = run.resume()  # rank 0 loads into the distributed model; broadcast below
     if resumed:
         adapter.broadcast_state(model, optimizer)
-        if resumed["batch"]:  # Keras's data order is a function of the position: no iterator
-            run.restore_rng(resumed)
-    at = run.position(resumed)
+    at = run.position(resumed)  # a moved mid-epoch position got its RNG back there
+    if at.batch:  # Keras's data order is a function of the position: no iterator to wait for
+        run.restore_rng(resumed)
     # The data stream starts at this run's position, nothing is replayed. With the checkpoint's
     # world size and data options the restored optimizer counter is exact (fp16 skips and an
     # open accumulation group included); otherwise (another size, -k or --batch-size, or a
