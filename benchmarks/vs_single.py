@@ -26,6 +26,9 @@ PATHS = {"torch": ("torch", None), "keras-tf": ("keras", "tensorflow"),
          "keras-torch": ("keras", "torch")}
 MODELS = ("mnist", "cnn", "dense", "gpt")
 GLOBAL_BATCH = {"mnist": 64, "cnn": 64, "dense": 64, "gpt": 16}
+# Optimizer steps per timed iteration: about 1 s of one process on 2 cores, so that a run's
+# number is not the noise of a 0.1 s window (mnist 20 steps took 0.15 s: spreads up to 1.6).
+ITER_STEPS = {"mnist": 120, "cnn": 16, "dense": 36, "gpt": 8}
 SINGLE, NP1, NP2, DDP = "one process", "hvdtrain np=1", "hvdtrain np=2", "DDP np=2"
 
 
@@ -39,7 +42,7 @@ def variants(path: str, model: str, args) -> dict[str, tuple[list[str], dict]]:
                 "--model", model, "--mode", mode, "--batch-size", str(local_batch),
                 "--jit-compile", args.jit_compile,
                 "--num-warmup-batches", str(args.warmup), "--num-batches-per-iter",
-                str(args.batches), "--num-iters", str(args.iters)]
+                str(args.batches or ITER_STEPS[model]), "--num-iters", str(args.iters)]
 
     env = common.base_env(False)  # a user's shell: no OMPI_MCA_mpi_yield_when_idle
     if backend:
@@ -72,7 +75,9 @@ def main(argv=None) -> dict:
     p.add_argument("--np", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=5, help="optimizer steps before timing")
-    p.add_argument("--batches", type=int, default=10, help="optimizer steps per timed iteration")
+    p.add_argument("--batches", type=int, default=None,
+                   help="optimizer steps per timed iteration (default: about 1 s on 2 cores, "
+                        "per model: " + ", ".join(f"{m} {n}" for m, n in ITER_STEPS.items()) + ")")
     p.add_argument("--iters", type=int, default=3, help="timed iterations per run")
     p.add_argument("--jit-compile", default="false", choices=("auto", "true", "false"),
                    help="Keras: model.compile's jit_compile, in every Keras variant")

@@ -8,9 +8,9 @@ CYCLE, FUSION, YIELD = "HOROVOD_CYCLE_TIME", "HOROVOD_FUSION_THRESHOLD", "OMPI_M
 def test_cpu_ranks_get_the_measured_rule_written_into_the_environment():
     env = {}
     chosen = tuning.rank_settings(on_gpu=False, size=2, env=env)
-    assert env == {CYCLE: "0.1", YIELD: "1"}
-    assert chosen[CYCLE]["by"] == chosen[YIELD]["by"] == "hvdtrain"
-    assert chosen[FUSION] == {"value": str(128 * 2**20), "by": "default", "why": "the default"}
+    assert env == {CYCLE: "0.1", YIELD: "1", FUSION: str(4 * 2**20)}
+    assert chosen[CYCLE]["by"] == chosen[YIELD]["by"] == chosen[FUSION]["by"] == "hvdtrain"
+    assert chosen[FUSION]["value"] == "4194304" and "in place" in chosen[FUSION]["why"]
     assert "busy-polls" in chosen[YIELD]["why"] and "1 ms default" in chosen[CYCLE]["why"]
 
 
@@ -36,7 +36,7 @@ def test_a_variable_the_user_set_always_wins():
 
 def test_the_header_line_names_each_setting_and_who_chose_it():
     line = tuning.describe_settings(tuning.rank_settings(on_gpu=False, size=2, env={CYCLE: "2"}))
-    assert line == (f"{CYCLE}=2 (user), {FUSION}={128 * 2**20} (default), {YIELD}=1 (hvdtrain)")
+    assert line == (f"{CYCLE}=2 (user), {FUSION}={4 * 2**20} (hvdtrain), {YIELD}=1 (hvdtrain)")
 
 
 def test_autotune_keeps_horovods_settings_for_its_search():
@@ -57,7 +57,7 @@ def test_under_gloo_the_open_mpi_setting_is_marked_not_used():
 def test_one_rank_keeps_the_default_cycle_and_the_size_comes_from_the_launcher(monkeypatch):
     env = {}
     chosen = tuning.rank_settings(on_gpu=False, size=1, env=env)
-    assert env == {YIELD: "1"} and chosen[CYCLE]["by"] == "default"
+    assert env == {YIELD: "1", FUSION: str(4 * 2**20)} and chosen[CYCLE]["by"] == "default"
     assert "one rank" in chosen[CYCLE]["why"]
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
     assert tuning.rank_settings(on_gpu=False, env={})[CYCLE]["value"] == "0.1"
