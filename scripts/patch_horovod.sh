@@ -11,10 +11,11 @@
 #      serve XLA-compiled GPU graphs).
 # gpu: the same, plus C++17 for the CUDA kernels (horovod/common/ops/cuda/CMakeLists.txt asks for
 #      C++11) and two includes gcc 13 needs (upstream after 0.28.1: "Fix build on gcc 13").
-# both: the Python fixes in scripts/horovod_patches/*.patch, unified diffs applied in name order
-#      with patch -p1 (each file starts with what it fixes and the upstream issue it mirrors):
+# both: the fixes in scripts/horovod_patches/*.patch, unified diffs applied in name order with
+#      patch -p1 (each file starts with what it fixes and the upstream issue it mirrors):
 #      horovod.tensorflow with Keras 3 variables and layers, Horovod's Keras-2 callbacks under
-#      TF_USE_LEGACY_KERAS=1, zero_grad(set_to_none=...) in horovod.torch.
+#      TF_USE_LEGACY_KERAS=1, zero_grad(set_to_none=...) in horovod.torch, and (C++, 08) the
+#      background thread woken when work is enqueued under HOROVOD_CYCLE_WAKE=1.
 # Each change is checked once made; running it again on a patched tree changes nothing. A file
 # without the expected text (not Horovod 0.28.1?) stops it with exit status 1.
 set -euo pipefail

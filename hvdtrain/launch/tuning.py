@@ -151,18 +151,23 @@ def horovod_knobs(fusion_threshold_mb: int | None = None, cycle_time_ms: float |
 
 
 # What rank_settings may choose, with Horovod's / Open MPI's own default when nothing is set
-# (Horovod >= 0.21: cycle time 1 ms, fusion threshold 128 MiB; horovod/horovod#2468).
-RANK_SETTING_DEFAULTS = {"HOROVOD_CYCLE_TIME": "1", "HOROVOD_FUSION_THRESHOLD": str(128 * 2**20),
+# (Horovod >= 0.21: cycle time 1 ms, fusion threshold 128 MiB; horovod/horovod#2468;
+# HOROVOD_CYCLE_WAKE is hvdtrain's Horovod patch 08, off unless asked for).
+RANK_SETTING_DEFAULTS = {"HOROVOD_CYCLE_TIME": "1", "HOROVOD_CYCLE_WAKE": "0",
+                         "HOROVOD_FUSION_THRESHOLD": str(128 * 2**20),
                          "OMPI_MCA_" + YIELD_MCA: "0"}
+# What HOROVOD_AUTOTUNE searches itself (of the names above), left to it when it is on.
+AUTOTUNED = ("HOROVOD_CYCLE_TIME", "HOROVOD_FUSION_THRESHOLD")
 # CPU ranks' fusion threshold, bytes: above it a gradient goes alone, all-reduced in place.
 CPU_FUSION_THRESHOLD = 4 * 2**20
 # The rule for CPU ranks, measured on 2-core hosts (README, "Distributing vs one process").
 CPU_RANK_SETTINGS = {
-    "HOROVOD_CYCLE_TIME": (
-        "0.1", "CPU ranks: Horovod's background thread negotiates every cycle, and where the "
-        "all-reduce cannot overlap the backward pass (Keras applies all gradients at once; short "
-        "steps) the 1 ms default cycle is latency added to every step and made run-to-run speed "
-        "bimodal; 0.1 ms measured faster and steadier"),
+    "HOROVOD_CYCLE_WAKE": (
+        "1", "CPU ranks: Horovod's background thread sleeps out each cycle before it negotiates, "
+        "and where the all-reduce cannot overlap the backward pass (Keras applies all gradients "
+        "at once; short steps) the rest of the cycle is latency on every step; woken when work "
+        "is enqueued, a request waits only for the negotiation, and the cycle is how often an "
+        "idle rank negotiates"),
     "HOROVOD_FUSION_THRESHOLD": (
         str(CPU_FUSION_THRESHOLD), "CPU ranks: a fused all-reduce copies each gradient into "
         "Horovod's fusion buffer and back, and on a CPU host those copies take the memory "
@@ -173,32 +178,57 @@ CPU_RANK_SETTINGS = {
         "1", "CPU ranks: each rank's compute threads take its share of the cores, and an MPI rank "
         "that busy-polls while it waits steals them"),
 }
+# CPU ranks' cycle time, ms, where the Horovod build cannot wake its thread (one without
+# hvdtrain's patch 08): short, so the sleep it adds to every step is short.
+CPU_CYCLE_WITHOUT_WAKE = (
+    "0.1", "CPU ranks, a Horovod without wake-on-enqueue (hvdtrain's patch 08): the thread sleeps "
+    "out each cycle before it negotiates, and where the all-reduce cannot overlap the backward "
+    "pass the 1 ms default cycle is latency on every step and made run-to-run speed bimodal; "
+    "0.1 ms measured faster and steadier")
+
+
+def horovod_can_wake() -> bool:
+    """Whether the installed Horovod has hvdtrain's patch 08 (``HOROVOD_CYCLE_WAKE``, its
+    background thread woken when work is enqueued): ``horovod.common.basics.CYCLE_WAKE``. False
+    where Horovod is missing or built without it. Imports no framework."""
+    try:
+        import horovod.common.basics
+    except ImportError:
+        return False
+    return bool(getattr(horovod.common.basics, "CYCLE_WAKE", False))
 
 
 def rank_settings(on_gpu: bool, size: int | None = None,
-                  env: MutableMapping[str, str] | None = None) -> dict[str, dict]:
+                  env: MutableMapping[str, str] | None = None,
+                  can_wake: bool | None = None) -> dict[str, dict]:
     """Choose Horovod's runtime settings for this rank where the user set none, and put them into
     ``env`` before ``hvd.init()`` (which reads ``HOROVOD_*``, and ``MPI_Init`` inside it the
     ``OMPI_MCA_*`` variables). A variable already set, by the user, ``mpirun -x`` or
     ``hvdtrain launch``, always wins and is left as it is.
 
-    The rule: CPU ranks get :data:`CPU_RANK_SETTINGS` (cycle time 0.1 ms instead of 1 ms, a
-    fusion threshold of 4 MiB instead of 128 MiB, idle MPI ranks yield their core), except that a job of one rank keeps the 1 ms cycle: it has
-    nothing to negotiate, and a background thread waking every 0.1 ms only takes CPU from the
-    compute (measured: np=1 at 0.79-0.89 of the plain loop with 0.1 ms). GPU ranks keep Horovod's
-    defaults: there the compute runs on the GPU, the all-reduce overlaps the backward pass, and
-    nothing was measured here that says otherwise (``hvdtrain launch --cycle-time-ms`` or the
-    variables set them).
+    The rule: CPU ranks get :data:`CPU_RANK_SETTINGS`: Horovod's background thread woken when
+    work is enqueued (``HOROVOD_CYCLE_WAKE=1``, so the 1 ms cycle is only how often an idle rank
+    negotiates), a fusion threshold of 4 MiB instead of 128 MiB, idle MPI ranks yielding their
+    core. With a Horovod that cannot wake its thread (``can_wake`` false), CPU ranks get a
+    0.1 ms cycle instead (:data:`CPU_CYCLE_WITHOUT_WAKE`), except that a job of one rank keeps
+    the 1 ms cycle: it has nothing to negotiate, and a background thread waking every 0.1 ms only
+    takes CPU from the compute (measured: np=1 at 0.79-0.89 of the plain loop with 0.1 ms). GPU
+    ranks keep Horovod's defaults: there the compute runs on the GPU, the all-reduce overlaps the
+    backward pass, and nothing was measured here that says otherwise (``hvdtrain launch
+    --cycle-time-ms`` or the variables set them).
 
     Args:
         on_gpu: this rank computes on a GPU.
         size: the job's world size; default: the launcher's
             (:func:`hvdtrain.runtime.launcher_size`, 1 without a launcher).
         env: the environment to read and fill in; defaults to ``os.environ``.
+        can_wake: the Horovod build has ``HOROVOD_CYCLE_WAKE``; default:
+            :func:`horovod_can_wake`.
 
-    With ``HOROVOD_AUTOTUNE`` set, Horovod's own search tunes the ``HOROVOD_*`` settings it was
-    not given, so none is set here. An ``OMPI_MCA_*`` variable also overrides a value from an
-    Open MPI ``mca-params.conf`` file; set the variable to keep the file's value.
+    With ``HOROVOD_AUTOTUNE`` set, Horovod's own search tunes the cycle time and the fusion
+    threshold it was not given (:data:`AUTOTUNED`), so neither is set here. An ``OMPI_MCA_*``
+    variable also overrides a value from an Open MPI ``mca-params.conf`` file; set the variable
+    to keep the file's value.
 
     Returns:
         ``{name: {"value": str, "by": "user" | "hvdtrain" | "default" | "autotune", "why":
@@ -208,24 +238,38 @@ def rank_settings(on_gpu: bool, size: int | None = None,
     """
     env = os.environ if env is None else env
     size = launcher_size() if size is None else size
+    can_wake = horovod_can_wake() if can_wake is None else can_wake
     autotune = env.get("HOROVOD_AUTOTUNE", "").strip() not in ("", "0")
+    cpu_rule = dict(CPU_RANK_SETTINGS)
+    if not can_wake:
+        del cpu_rule["HOROVOD_CYCLE_WAKE"]
+        if size > 1:
+            cpu_rule["HOROVOD_CYCLE_TIME"] = CPU_CYCLE_WITHOUT_WAKE
     chosen = {}
     for name, default in RANK_SETTING_DEFAULTS.items():
         if env.get(name, "").strip():
             chosen[name] = {"value": env[name], "by": "user", "why": "set in the environment"}
-        elif autotune and name.startswith("HOROVOD_"):
+        elif autotune and name in AUTOTUNED:
             chosen[name] = {"value": default, "by": "autotune",
                             "why": "HOROVOD_AUTOTUNE searches it while training, from the default"}
-        elif not on_gpu and name == "HOROVOD_CYCLE_TIME" and size == 1:
-            chosen[name] = {"value": default, "by": "default",
-                            "why": "one rank: nothing to negotiate, a shorter cycle only costs CPU"}
-        elif not on_gpu and name in CPU_RANK_SETTINGS:
-            value, why = CPU_RANK_SETTINGS[name]
+        elif not on_gpu and name in cpu_rule:
+            value, why = cpu_rule[name]
             env[name] = value
             chosen[name] = {"value": value, "by": "hvdtrain", "why": why}
-        else:
+        elif on_gpu:
+            chosen[name] = {"value": default, "by": "default", "why": "GPU ranks keep the default"}
+        elif name == "HOROVOD_CYCLE_WAKE":
             chosen[name] = {"value": default, "by": "default",
-                            "why": "GPU ranks keep the default" if on_gpu else "the default"}
+                            "why": "this Horovod cannot wake its thread (no hvdtrain patch 08)"}
+        elif name == "HOROVOD_CYCLE_TIME" and can_wake:
+            chosen[name] = {"value": default, "by": "default",
+                            "why": "woken when work is enqueued, the cycle is only how often an "
+                                   "idle rank negotiates"}
+        elif name == "HOROVOD_CYCLE_TIME":
+            chosen[name] = {"value": default, "by": "default",
+                            "why": "one rank: nothing to negotiate, a shorter cycle only costs CPU"}
+        else:
+            chosen[name] = {"value": default, "by": "default", "why": "the default"}
     return chosen
 
 

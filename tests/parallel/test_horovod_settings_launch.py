@@ -2,12 +2,14 @@
 settings itself before hvd.init(), a variable the user set wins, and metrics.json says which
 applied and who chose them; both adapters (hvdtrain.launch.tuning.rank_settings)."""
 import json
+import sys
 
 import pytest
 
 from jobs import horovodrun, job_env
 
 CYCLE, YIELD = "HOROVOD_CYCLE_TIME", "OMPI_MCA_mpi_yield_when_idle"
+WAKE = "HOROVOD_CYCLE_WAKE"
 
 
 @pytest.mark.parametrize("framework", ["torch", "keras"])
@@ -16,6 +18,7 @@ def test_plain_horovodrun_gets_the_cpu_rule_and_the_users_variable_wins(tmp_path
     env = job_env()
     env.pop(YIELD, None)  # a user's shell: nothing set but their own fusion threshold
     env.pop(CYCLE, None)
+    env.pop(WAKE, None)
     env["HOROVOD_FUSION_THRESHOLD"] = str(32 * 2**20)
     proc = subprocess.run(horovodrun(2, "hvdtrain", "train", "--framework", framework, "--epochs",
                                      "1", "--no-progress", "--device", "cpu", "--output-dir",
@@ -23,8 +26,42 @@ def test_plain_horovodrun_gets_the_cpu_rule_and_the_users_variable_wins(tmp_path
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     settings = json.loads((tmp_path / "metrics.json").read_text())["horovod_settings"]
-    assert settings[CYCLE] == {"value": "0.1", "by": "hvdtrain",
-                               "why": settings[CYCLE]["why"]}
+    # This Horovod wakes its thread when work is enqueued (patch 08): the cycle stays Horovod's.
+    assert settings[WAKE] == {"value": "1", "by": "hvdtrain", "why": settings[WAKE]["why"]}
+    assert settings[CYCLE]["value"] == "1" and settings[CYCLE]["by"] == "default"
     assert settings[YIELD]["value"] == "1" and settings[YIELD]["by"] == "hvdtrain"
     assert settings["HOROVOD_FUSION_THRESHOLD"] == {"value": str(32 * 2**20), "by": "user",
                                                     "why": "set in the environment"}
+
+
+WAKE_JOB = """
+import json, sys, time
+import torch
+import horovod.torch as hvd
+hvd.init()
+x = torch.ones(4)
+hvd.allreduce(x, name="grad")  # the first time a name is negotiated in full; then cached
+start = time.perf_counter()
+for i in range(10):  # the same name every time, as a training step's gradients
+    hvd.allreduce(x, name="grad")
+elapsed = time.perf_counter() - start
+if hvd.rank() == 0:
+    json.dump({"elapsed": elapsed}, open(sys.argv[1], "w"))
+"""
+
+
+def test_woken_thread_answers_without_waiting_for_the_cycle(tmp_path):
+    # Horovod patch 08 (scripts/horovod_patches/08-cycle-wake.patch): with HOROVOD_CYCLE_WAKE=1 a
+    # request (of a name negotiated before, as every step's gradients are) ends the background
+    # thread's sleep, so 10 all-reduces in a row under a 3 s cycle take far less than one cycle. Without the wake each would wait out up to a cycle (about
+    # 30 s for the 10), so this fails, and does not race the machine's speed.
+    import subprocess
+    job = tmp_path / "wake_job.py"
+    job.write_text(WAKE_JOB)
+    env = job_env()
+    env.update({CYCLE: "3000", WAKE: "1"})
+    out = tmp_path / "wake.json"
+    proc = subprocess.run(horovodrun(2, sys.executable, str(job), str(out)), env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert json.loads(out.read_text())["elapsed"] < 3.0

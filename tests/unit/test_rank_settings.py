@@ -1,63 +1,92 @@
 """Horovod's runtime settings that every rank's init() chooses before hvd.init()
-(hvdtrain.launch.tuning.rank_settings): the CPU rule, the GPU rule, and the user's variables winning."""
+(hvdtrain.launch.tuning.rank_settings): the CPU rule (with and without the Horovod patch that
+wakes the background thread), the GPU rule, and the user's variables winning."""
 from hvdtrain.launch import tuning
 
 CYCLE, FUSION, YIELD = "HOROVOD_CYCLE_TIME", "HOROVOD_FUSION_THRESHOLD", "OMPI_MCA_mpi_yield_when_idle"
+WAKE = "HOROVOD_CYCLE_WAKE"
+MIB4 = str(4 * 2**20)
+
+
+def test_this_horovod_build_can_wake_its_background_thread():
+    # scripts/horovod_patches/08-cycle-wake.patch, checked on the Horovod setup.sh installed.
+    assert tuning.horovod_can_wake() is True
 
 
 def test_cpu_ranks_get_the_measured_rule_written_into_the_environment():
     env = {}
-    chosen = tuning.rank_settings(on_gpu=False, size=2, env=env)
-    assert env == {CYCLE: "0.1", YIELD: "1", FUSION: str(4 * 2**20)}
-    assert chosen[CYCLE]["by"] == chosen[YIELD]["by"] == chosen[FUSION]["by"] == "hvdtrain"
+    chosen = tuning.rank_settings(on_gpu=False, size=2, env=env, can_wake=True)
+    assert env == {WAKE: "1", YIELD: "1", FUSION: MIB4}
+    assert chosen[WAKE]["by"] == chosen[YIELD]["by"] == chosen[FUSION]["by"] == "hvdtrain"
+    assert chosen[CYCLE]["value"] == "1" and chosen[CYCLE]["by"] == "default"
+    assert "idle rank" in chosen[CYCLE]["why"] and "enqueued" in chosen[WAKE]["why"]
     assert chosen[FUSION]["value"] == "4194304" and "in place" in chosen[FUSION]["why"]
-    assert "busy-polls" in chosen[YIELD]["why"] and "1 ms default" in chosen[CYCLE]["why"]
+    assert "busy-polls" in chosen[YIELD]["why"]
+
+
+def test_without_the_wake_patch_cpu_ranks_get_a_short_cycle_instead():
+    env = {}
+    chosen = tuning.rank_settings(on_gpu=False, size=2, env=env, can_wake=False)
+    assert env == {CYCLE: "0.1", YIELD: "1", FUSION: MIB4}
+    assert chosen[CYCLE]["by"] == "hvdtrain" and "1 ms default" in chosen[CYCLE]["why"]
+    assert chosen[WAKE] == {"value": "0", "by": "default",
+                            "why": "this Horovod cannot wake its thread (no hvdtrain patch 08)"}
 
 
 def test_gpu_ranks_keep_horovods_defaults():
-    env = {}
-    chosen = tuning.rank_settings(on_gpu=True, size=2, env=env)
-    assert env == {}
-    assert {name: s["value"] for name, s in chosen.items()} == tuning.RANK_SETTING_DEFAULTS
-    assert all(s["by"] == "default" for s in chosen.values())
+    for can_wake in (True, False):
+        env = {}
+        chosen = tuning.rank_settings(on_gpu=True, size=2, env=env, can_wake=can_wake)
+        assert env == {}
+        assert {name: s["value"] for name, s in chosen.items()} == tuning.RANK_SETTING_DEFAULTS
+        assert all(s["by"] == "default" for s in chosen.values())
 
 
 def test_a_variable_the_user_set_always_wins():
-    env = {CYCLE: "5", YIELD: "0", FUSION: "0"}
-    chosen = tuning.rank_settings(on_gpu=False, size=2, env=env)
-    assert env == {CYCLE: "5", YIELD: "0", FUSION: "0"}  # untouched
-    assert [chosen[n]["value"] for n in (CYCLE, YIELD, FUSION)] == ["5", "0", "0"]
+    env = {CYCLE: "5", YIELD: "0", FUSION: "0", WAKE: "0"}
+    chosen = tuning.rank_settings(on_gpu=False, size=2, env=env, can_wake=True)
+    assert env == {CYCLE: "5", YIELD: "0", FUSION: "0", WAKE: "0"}  # untouched
+    assert [chosen[n]["value"] for n in (CYCLE, YIELD, FUSION, WAKE)] == ["5", "0", "0", "0"]
     assert all(s["by"] == "user" for s in chosen.values())
     # An empty variable counts as unset.
+    env = {WAKE: " ", CYCLE: ""}
+    chosen = tuning.rank_settings(on_gpu=False, size=2, env=env, can_wake=True)
+    assert chosen[WAKE]["by"] == "hvdtrain" and env[WAKE] == "1"
     env = {CYCLE: " "}
-    assert tuning.rank_settings(on_gpu=False, size=2, env=env)[CYCLE]["by"] == "hvdtrain"
+    assert tuning.rank_settings(on_gpu=False, size=2, env=env, can_wake=False)[CYCLE]["by"] == (
+        "hvdtrain")
     assert env[CYCLE] == "0.1"
 
 
 def test_the_header_line_names_each_setting_and_who_chose_it():
-    line = tuning.describe_settings(tuning.rank_settings(on_gpu=False, size=2, env={CYCLE: "2"}))
-    assert line == (f"{CYCLE}=2 (user), {FUSION}={4 * 2**20} (hvdtrain), {YIELD}=1 (hvdtrain)")
+    line = tuning.describe_settings(tuning.rank_settings(on_gpu=False, size=2, env={CYCLE: "2"},
+                                                         can_wake=True))
+    assert line == (f"{CYCLE}=2 (user), {WAKE}=1 (hvdtrain), {FUSION}={MIB4} (hvdtrain), "
+                    f"{YIELD}=1 (hvdtrain)")
 
 
 def test_autotune_keeps_horovods_settings_for_its_search():
     env = {"HOROVOD_AUTOTUNE": "1"}
-    chosen = tuning.rank_settings(on_gpu=False, size=2, env=env)
-    assert CYCLE not in env and env[YIELD] == "1"
+    chosen = tuning.rank_settings(on_gpu=False, size=2, env=env, can_wake=True)
+    assert CYCLE not in env and FUSION not in env and env[YIELD] == env[WAKE] == "1"
     assert chosen[CYCLE]["by"] == chosen[FUSION]["by"] == "autotune"
+    assert chosen[WAKE]["by"] == "hvdtrain"  # not something the autotuner searches
 
 
 def test_under_gloo_the_open_mpi_setting_is_marked_not_used():
-    chosen = tuning.rank_settings(on_gpu=False, size=2, env={})
+    chosen = tuning.rank_settings(on_gpu=False, size=2, env={}, can_wake=True)
     assert tuning.settings_in_effect(chosen, mpi=True) == chosen
     gloo = tuning.settings_in_effect(chosen, mpi=False)
     assert gloo[YIELD]["by"] == "n/a" and "Gloo" in gloo[YIELD]["why"]
-    assert gloo[CYCLE] == chosen[CYCLE]
+    assert gloo[CYCLE] == chosen[CYCLE] and gloo[WAKE] == chosen[WAKE]
 
 
 def test_one_rank_keeps_the_default_cycle_and_the_size_comes_from_the_launcher(monkeypatch):
     env = {}
-    chosen = tuning.rank_settings(on_gpu=False, size=1, env=env)
-    assert env == {YIELD: "1", FUSION: str(4 * 2**20)} and chosen[CYCLE]["by"] == "default"
+    chosen = tuning.rank_settings(on_gpu=False, size=1, env=env, can_wake=False)
+    assert env == {YIELD: "1", FUSION: MIB4} and chosen[CYCLE]["by"] == "default"
     assert "one rank" in chosen[CYCLE]["why"]
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
-    assert tuning.rank_settings(on_gpu=False, env={})[CYCLE]["value"] == "0.1"
+    assert tuning.rank_settings(on_gpu=False, env={}, can_wake=False)[CYCLE]["value"] == "0.1"
+    # With the wake patch the cycle stays Horovod's at any size.
+    assert tuning.rank_settings(on_gpu=False, env={}, can_wake=True)[CYCLE]["value"] == "1"
