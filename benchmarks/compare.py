@@ -3,8 +3,10 @@ model, synthetic data, local batch and np=2, measured side by side (medians over
 
 * hvdtrain: ``hvdtrain launch`` (its machine-specific MPI settings) + hvdtrain.torch
 * plain Horovod, defaults: ``horovodrun`` as is + Horovod's example loop
-* plain Horovod, tuned: the same loop with the settings hvdtrain chooses on CPU hosts
-  (mpi_yield_when_idle=1, HOROVOD_CYCLE_TIME=0.1), to separate the adapter's cost from theirs
+* plain Horovod, tuned: the same loop with the settings every hvdtrain rank's ``init()``
+  chooses on CPU hosts (:func:`hvdtrain.launch.tuning.rank_settings`: the background thread
+  woken by work, a 4 MiB fusion threshold, mpi_yield_when_idle=1), to separate the adapter's
+  cost from theirs
 * DDP: ``torchrun --standalone --nproc_per_node 2`` + DistributedDataParallel (Gloo)
 
 Run::
@@ -17,6 +19,8 @@ import argparse
 import sys
 
 import common
+
+from hvdtrain.launch import tuning
 
 
 def main(argv=None) -> dict:
@@ -37,14 +41,15 @@ def main(argv=None) -> dict:
                 "--num-warmup-batches", str(args.warmup), "--num-batches-per-iter",
                 str(args.batches), "--num-iters", str(args.iters)]
 
+    tuned = common.base_env(False)
+    tuning.rank_settings(on_gpu=False, size=args.np, env=tuned)  # writes hvdtrain's CPU rule
     runs = {
         "hvdtrain": (common.hvdtrain_launch(args.np, synthetic("hvdtrain")),
                      common.base_env(False)),
         "plain Horovod (defaults)": (common.horovodrun(args.np, synthetic("plain")),
                                      common.base_env(False)),
         "plain Horovod (tuned launcher)": (common.horovodrun(args.np, synthetic("plain")),
-                                           {**common.base_env(True),
-                                            "HOROVOD_CYCLE_TIME": "0.1"}),
+                                           tuned),
         "DDP (Gloo, torchrun)": ([str(common.BIN / "torchrun"), "--standalone",
                                   f"--nproc_per_node={args.np}", *synthetic("ddp")[1:]],
                                  common.base_env(False)),

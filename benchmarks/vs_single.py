@@ -65,7 +65,39 @@ def summarise(samples: dict[str, list[float]]) -> dict:
     pairs = {"np2 / one process": (NP2, SINGLE), "np1 / one process": (NP1, SINGLE),
              "np2 / DDP": (NP2, DDP)}
     ratios = {name: med[a] / med[b] for name, (a, b) in pairs.items() if a in med and b in med}
-    return {"stats": stats, "ratios": ratios}
+    # Each round's own ratio: the two runs were made minutes apart, so a drift of the machine's
+    # speed over the rounds (which widens every variant's min-max alike) cancels out.
+    rounds = {name: [x / y for x, y in zip(samples[a], samples[b])]
+              for name, (a, b) in pairs.items() if a in samples and b in samples}
+    return {"stats": stats, "ratios": ratios, "round_ratios": rounds}
+
+
+def render(results: dict, models: list[str], repeats: int, jit_compile: str) -> str:
+    """The README table of :func:`summarise`'s results (``{"path/model": summary}``)."""
+    rows = []
+    for key, res in results.items():
+        s, ratio = res["stats"], res["ratios"]
+
+        def cell(name):
+            if name not in s:
+                return "-"
+            return f"{s[name]['median']:,.0f} ({s[name]['min']:,.0f}-{s[name]['max']:,.0f})"
+
+        def r(name):
+            return f"{ratio[name]:.2f}" if name in ratio else "-"
+
+        per_round = ([a / b for a, b in zip(s[NP2]["runs"], s[SINGLE]["runs"])]
+                     if NP2 in s and SINGLE in s else None)
+        rows.append([key, cell(SINGLE), cell(NP2), cell(DDP), r("np2 / one process"),
+                     f"{min(per_round):.2f}-{max(per_round):.2f}" if per_round else "-",
+                     r("np2 / DDP"), r("np1 / one process"),
+                     f"{max(v['spread'] for v in s.values()):.2f}"])
+    text = common.table(
+        ["path/model", "one process, all cores: samples/s median (min-max)", "hvdtrain np=2",
+         "DDP np=2", "np2 / one", "np2 / one, each round", "np2 / DDP", "np1 / one",
+         "worst max/min"], rows)
+    return text + (f"\n\nGlobal batch {', '.join(f'{m} {GLOBAL_BATCH[m]}' for m in models)}; "
+                   f"{repeats} interleaved rounds; Keras jit_compile={jit_compile}.")
 
 
 def main(argv=None) -> dict:
@@ -84,7 +116,19 @@ def main(argv=None) -> dict:
     p.add_argument("--variants", default=",".join((SINGLE, NP1, NP2, DDP)),
                    help="which runs, comma-separated (a ratio needs both of its runs)")
     p.add_argument("--readme", action="store_true")
+    p.add_argument("--render", metavar="JSON",
+                   help="print (with --readme: write) the table of a saved "
+                        "results/vs_single.json instead of measuring")
     args = p.parse_args(argv)
+    if args.render:
+        import json
+        saved = json.loads(open(args.render).read())
+        text = render(saved["results"], saved["args"]["models"].split(","),
+                      saved["args"]["repeats"], saved["args"]["jit_compile"])
+        print(text)
+        if args.readme:
+            common.update_readme("vs_single", text)
+        return saved["results"]
     wanted = args.variants.split(",")
     paths, models = args.paths.split(","), args.models.split(",")
     for name, allowed, chosen in (("--paths", PATHS, paths), ("--models", MODELS, models)):
@@ -100,24 +144,7 @@ def main(argv=None) -> dict:
             print(f"round {r + 1}/{args.repeats} {g[0]} {g[1]}: " + ", ".join(
                 f"{n} {v[-1]:.0f}" for n, v in samples[g].items()), flush=True)
     results = {f"{path}/{model}": summarise(samples[(path, model)]) for path, model in groups}
-    rows = []
-    for key, res in results.items():
-        s, ratio = res["stats"], res["ratios"]
-
-        def cell(name):
-            if name not in s:
-                return "-"
-            return f"{s[name]['median']:,.0f} ({s[name]['min']:,.0f}-{s[name]['max']:,.0f})"
-        def r(name):
-            return f"{ratio[name]:.2f}" if name in ratio else "-"
-        rows.append([key, cell(SINGLE), cell(NP2), cell(DDP), r("np2 / one process"),
-                     r("np2 / DDP"), r("np1 / one process"),
-                     f"{max(v['spread'] for v in s.values()):.2f}"])
-    text = common.table(
-        ["path/model", "one process, all cores: samples/s median (min-max)", "hvdtrain np=2",
-         "DDP np=2", "np2 / one", "np2 / DDP", "np1 / one", "worst max/min"], rows)
-    text += (f"\n\nGlobal batch {', '.join(f'{m} {GLOBAL_BATCH[m]}' for m in models)}; "
-             f"{args.repeats} interleaved rounds; Keras jit_compile={args.jit_compile}.")
+    text = render(results, models, args.repeats, args.jit_compile)
     print(text)
     path = common.save("vs_single", {"args": vars(args), "results": results})
     png = common.RESULTS / "vs_single.png"

@@ -133,4 +133,12 @@ def test_vs_single_tiny(tmp_path):
         assert ratios["np2 / one process"] == pytest.approx(
             stats["hvdtrain np=2"]["median"] / stats["one process"]["median"])
         assert all(len(s["runs"]) == 1 and s["median"] > 0 for s in stats.values())
+        assert res["round_ratios"]["np2 / one process"] == pytest.approx(
+            [stats["hvdtrain np=2"]["runs"][0] / stats["one process"]["runs"][0]])
     assert "np2 / one" in out and "torch/gpt" in out
+    # The table renders again from the saved JSON, without measuring.
+    proc = subprocess.run([sys.executable, str(BENCH / "vs_single.py"), "--render",
+                           str(tmp_path / "vs_single.json")], capture_output=True, text=True,
+                          timeout=120, env={**job_env(), "HVDTRAIN_BENCH_RESULTS": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| torch/gpt |" in proc.stdout and "np2 / one, each round" in proc.stdout

@@ -3,8 +3,8 @@
 wakes the background thread), the GPU rule, and the user's variables winning."""
 from hvdtrain.launch import tuning
 
-CYCLE, FUSION, YIELD = "HOROVOD_CYCLE_TIME", "HOROVOD_FUSION_THRESHOLD", "OMPI_MCA_mpi_yield_when_idle"
-WAKE = "HOROVOD_CYCLE_WAKE"
+CYCLE, FUSION, WAKE = "HOROVOD_CYCLE_TIME", "HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_WAKE"
+YIELD = "OMPI_MCA_mpi_yield_when_idle"
 MIB4 = str(4 * 2**20)
 
 
@@ -90,3 +90,23 @@ def test_one_rank_keeps_the_default_cycle_and_the_size_comes_from_the_launcher(m
     assert tuning.rank_settings(on_gpu=False, env={}, can_wake=False)[CYCLE]["value"] == "0.1"
     # With the wake patch the cycle stays Horovod's at any size.
     assert tuning.rank_settings(on_gpu=False, env={}, can_wake=True)[CYCLE]["value"] == "1"
+
+
+def test_a_user_who_turns_the_wake_off_gets_the_short_cycle_and_a_true_record():
+    env = {WAKE: "0"}
+    chosen = tuning.rank_settings(on_gpu=False, size=2, env=env, can_wake=True)
+    assert env == {WAKE: "0", CYCLE: "0.1", YIELD: "1", FUSION: MIB4}
+    assert chosen[CYCLE]["by"] == "hvdtrain" and chosen[WAKE]["by"] == "user"
+    # Horovod reads its flags with strtol: "true" is 0, off; the record says so.
+    env = {WAKE: "true"}
+    chosen = tuning.rank_settings(on_gpu=False, size=2, env=env, can_wake=True)
+    assert env[CYCLE] == "0.1" and "reads 'true' as 0 (off)" in chosen[WAKE]["why"]
+    env = {WAKE: "1"}
+    chosen = tuning.rank_settings(on_gpu=False, size=2, env=env, can_wake=True)
+    assert CYCLE not in env and chosen[WAKE] == {"value": "1", "by": "user",
+                                                 "why": "set in the environment"}
+
+
+def test_horovod_flags_read_as_horovod_reads_them():
+    assert [tuning.horovod_flag(v) for v in ("1", " 2", "+1x", "0", "true", "on", "", "-0")] == [
+        True, True, True, False, False, False, False, False]
