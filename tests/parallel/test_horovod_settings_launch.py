@@ -34,17 +34,21 @@ def test_plain_horovodrun_gets_the_cpu_rule_and_the_users_variable_wins(tmp_path
                                                     "why": "set in the environment"}
 
 
-def _elapsed_under_a_3_s_cycle(tmp_path, source: str) -> float:
-    """Run the job ``source`` under horovodrun -np 2 with HOROVOD_CYCLE_TIME=3000 (ms) and the
-    wake on; return the seconds its rank 0 wrote as ``elapsed``."""
+def _job(tmp_path, source: str, cycle_ms: str = "3000") -> dict:
+    """Run the job ``source`` under horovodrun -np 2 with HOROVOD_CYCLE_TIME=``cycle_ms`` and
+    the wake on; return the JSON its rank 0 wrote."""
     import subprocess
-    job, out = tmp_path / "job.py", tmp_path / "elapsed.json"
+    job, out = tmp_path / "job.py", tmp_path / "out.json"
     job.write_text(source)
-    env = {**job_env(), CYCLE: "3000", WAKE: "1"}
+    env = {**job_env(), CYCLE: cycle_ms, WAKE: "1"}
     proc = subprocess.run(horovodrun(2, sys.executable, str(job), str(out)), env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())["elapsed"]
+    return json.loads(out.read_text())
+
+
+def _elapsed_under_a_3_s_cycle(tmp_path, source: str) -> float:
+    return _job(tmp_path, source)["elapsed"]
 
 
 WAKE_JOB = """
@@ -100,3 +104,27 @@ def test_work_put_back_for_a_late_rank_is_negotiated_again_at_once(tmp_path):
     # puts rank 0's a back; patch 08 negotiates again at once (waiting inside the collective for
     # rank 1's a) instead of sleeping out rank 0's 3 s cycle: about 0.2 s, not 3 s.
     assert 0.1 < _elapsed_under_a_3_s_cycle(tmp_path, PUT_BACK_JOB) < 3.0
+
+
+IDLE_JOB = """
+import json, sys, time
+import torch
+import horovod.torch as hvd
+hvd.init()
+hvd.allreduce(torch.ones(4), name="warm")
+cpu, wall = time.process_time(), time.perf_counter()
+time.sleep(2)  # idle: only Horovod's background thread runs
+share = (time.process_time() - cpu) / (time.perf_counter() - wall)
+shares = hvd.allgather_object(share)
+if hvd.rank() == 0:
+    json.dump({"cpu_share": shares}, open(sys.argv[1], "w"))
+"""
+
+
+def test_idle_ranks_do_not_poll_a_core(tmp_path):
+    # Upstream times a cycle from its start, so the rank that waited in a negotiation for its
+    # peer starts the next at once and waits again, every cycle: idle, one of two ranks used
+    # 0.999 of a CPU (0.033 the other) at Horovod's 1 ms cycle. Patch 08 (revision 3) sleeps a
+    # whole cycle after each negotiation: both ranks idle. A share of CPU time, not a speed.
+    shares = _job(tmp_path, IDLE_JOB, cycle_ms="1")["cpu_share"]
+    assert len(shares) == 2 and max(shares) < 0.3, shares
