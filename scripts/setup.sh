@@ -47,7 +47,7 @@ PYTHON=${PYTHON:-python3.11}
 CACHE=${HVDTRAIN_CACHE:-$HOME/.cache/hvdtrain}
 CONSTRAINTS=$ROOT/requirements/constraints.txt
 HOROVOD_VERSION=0.28.1
-PATCH_ID=cxx17-noxla-py-v9  # scripts/patch_horovod.sh's changes for every build, its horovod_patches/
+PATCH_ID=cxx17-noxla-py-v10  # scripts/patch_horovod.sh's changes for every build, its horovod_patches/
                             # included (change on any edit)
 GPU_PATCH_ID=gpu-v1   # its further changes when torch has CUDA, and the GPU build's settings
 TF_PACKAGE=${HVDTRAIN_TF_PACKAGE:-tensorflow-cpu}
@@ -470,7 +470,7 @@ assert hasattr(opt._DistributedOptimizer, "late_name_prefix")
 import horovod.common.util
 assert hasattr(horovod.common.util, "BUILT_CHECK_EXTENSIONS")
 import horovod.common.basics
-assert getattr(horovod.common.basics, "CYCLE_WAKE", 0) >= 3  # scripts/horovod_patches/08-*
+assert getattr(horovod.common.basics, "CYCLE_WAKE", 0) >= 4  # scripts/horovod_patches/08-*
 if sys.argv[3] == "gpu":
     assert ht.nccl_built()
 PY
