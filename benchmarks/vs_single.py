@@ -65,11 +65,15 @@ def summarise(samples: dict[str, list[float]]) -> dict:
     pairs = {"np2 / one process": (NP2, SINGLE), "np1 / one process": (NP1, SINGLE),
              "np2 / DDP": (NP2, DDP)}
     ratios = {name: med[a] / med[b] for name, (a, b) in pairs.items() if a in med and b in med}
-    # Each round's own ratio: the two runs were made minutes apart, so a drift of the machine's
-    # speed over the rounds (which widens every variant's min-max alike) cancels out.
-    rounds = {name: [x / y for x, y in zip(samples[a], samples[b])]
-              for name, (a, b) in pairs.items() if a in samples and b in samples}
-    return {"stats": stats, "ratios": ratios, "round_ratios": rounds}
+    return {"stats": stats, "ratios": ratios, "round_ratios": round_ratios(stats, pairs)}
+
+
+def round_ratios(stats: dict, pairs: dict[str, tuple[str, str]]) -> dict[str, list[float]]:
+    """Each round's own ratio ``a / b`` for each ``{name: (a, b)}`` of variants in ``stats``
+    (their ``runs``, in round order): the two runs were made minutes apart, so a drift of the
+    machine's speed over the rounds (which widens every variant's min-max alike) cancels out."""
+    return {name: [x / y for x, y in zip(stats[a]["runs"], stats[b]["runs"])]
+            for name, (a, b) in pairs.items() if a in stats and b in stats}
 
 
 def render(results: dict, models: list[str], repeats: int, jit_compile: str) -> str:
@@ -86,8 +90,7 @@ def render(results: dict, models: list[str], repeats: int, jit_compile: str) -> 
         def r(name):
             return f"{ratio[name]:.2f}" if name in ratio else "-"
 
-        per_round = ([a / b for a, b in zip(s[NP2]["runs"], s[SINGLE]["runs"])]
-                     if NP2 in s and SINGLE in s else None)
+        per_round = round_ratios(s, {"np2 / one": (NP2, SINGLE)}).get("np2 / one")
         rows.append([key, cell(SINGLE), cell(NP2), cell(DDP), r("np2 / one process"),
                      f"{min(per_round):.2f}-{max(per_round):.2f}" if per_round else "-",
                      r("np2 / DDP"), r("np1 / one process"),

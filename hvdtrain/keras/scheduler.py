@@ -14,7 +14,6 @@ from keras import ops
 
 from hvdtrain import schedule
 
-MAX_LR_STEPS = schedule.MAX_LR_STEPS  # step decay boundaries a WarmupSchedule holds
 NO_BOUNDARY = 3.0e38  # a padded boundary no step reaches
 
 
@@ -55,8 +54,9 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
         # constant, 1 cosine, 2 step), its steps, floor, factor and boundaries (padded).
         self.decay_numbers = keras.Variable(np.zeros(5, np.float32), trainable=False,
                                             name="hvdtrain_decay")
-        self.decay_boundaries = keras.Variable(np.full(MAX_LR_STEPS, NO_BOUNDARY, np.float32),
-                                               trainable=False, name="hvdtrain_decay_steps")
+        self.decay_boundaries = keras.Variable(
+            np.full(schedule.MAX_LR_STEPS, NO_BOUNDARY, np.float32), trainable=False,
+            name="hvdtrain_decay_steps")
         self.decay = None
         self.set_decay(schedule.Decay(**decay) if isinstance(decay, dict) else decay)
 
@@ -65,16 +65,17 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
         works after the step was compiled.
 
         Raises:
-            ValueError: more than :data:`MAX_LR_STEPS` step boundaries.
+            ValueError: more than :data:`schedule.MAX_LR_STEPS` step boundaries.
         """
-        if decay is not None and len(decay.boundaries) > MAX_LR_STEPS:
-            raise ValueError(f"at most {MAX_LR_STEPS} --lr-steps; got {len(decay.boundaries)}")
+        if decay is not None and len(decay.boundaries) > schedule.MAX_LR_STEPS:
+            raise ValueError(f"at most {schedule.MAX_LR_STEPS} --lr-steps; "
+                             f"got {len(decay.boundaries)}")
         self.decay = decay
         d = decay or schedule.Decay()
         kind = float(schedule.LR_SCHEDULES.index(d.kind))
         self.decay_numbers.assign(np.array([kind, d.total_steps, d.warmup_steps, d.min_ratio,
                                             d.gamma], np.float32))
-        padded = list(d.boundaries) + [NO_BOUNDARY] * (MAX_LR_STEPS - len(d.boundaries))
+        padded = list(d.boundaries) + [NO_BOUNDARY] * (schedule.MAX_LR_STEPS - len(d.boundaries))
         self.decay_boundaries.assign(np.array(padded, np.float32))
 
     def _decay_multiplier(self, step):

@@ -198,11 +198,15 @@ def horovod_can_wake() -> bool:
     return bool(getattr(horovod.common.basics, "CYCLE_WAKE", False))
 
 
+# How Horovod reads an integer variable (strtol): the leading integer, 0 where there is none.
+_HOROVOD_INT = re.compile(r"\s*([+-]?[0-9]+)")
+
+
 def horovod_flag(value: str) -> bool:
     """A Horovod boolean variable as Horovod reads it (``strtol``: the leading integer, 0 where
     there is none, so ``"true"`` is off): ``"1"`` -> True; ``"0"``, ``"true"``, ``"on"`` ->
     False."""
-    match = re.match(r"\s*([+-]?[0-9]+)", value)
+    match = _HOROVOD_INT.match(value)
     return bool(match and int(match.group(1)))
 
 
@@ -250,8 +254,9 @@ def rank_settings(on_gpu: bool, size: int | None = None,
     can_wake = horovod_can_wake() if can_wake is None else can_wake
     autotune = env.get("HOROVOD_AUTOTUNE", "").strip() not in ("", "0")
     users_wake = env.get("HOROVOD_CYCLE_WAKE", "").strip()
+    wake_on = can_wake and (not users_wake or horovod_flag(users_wake))
     cpu_rule = dict(CPU_RANK_SETTINGS)
-    if not can_wake or (users_wake and not horovod_flag(users_wake)):
+    if not wake_on:
         # No wake in effect: a short cycle is what hides the negotiation's latency.
         del cpu_rule["HOROVOD_CYCLE_WAKE"]
         if size > 1:
@@ -260,7 +265,7 @@ def rank_settings(on_gpu: bool, size: int | None = None,
     for name, default in RANK_SETTING_DEFAULTS.items():
         if env.get(name, "").strip():
             chosen[name] = {"value": env[name], "by": "user", "why": "set in the environment"}
-            if name == "HOROVOD_CYCLE_WAKE" and not re.match(r"\s*[+-]?[0-9]", env[name]):
+            if name == "HOROVOD_CYCLE_WAKE" and not _HOROVOD_INT.match(env[name]):
                 chosen[name]["why"] += (f"; Horovod reads {env[name]!r} as 0 (off): set 1 or 0")
         elif autotune and name in AUTOTUNED:
             chosen[name] = {"value": default, "by": "autotune",
@@ -274,7 +279,7 @@ def rank_settings(on_gpu: bool, size: int | None = None,
         elif name == "HOROVOD_CYCLE_WAKE":
             chosen[name] = {"value": default, "by": "default",
                             "why": "this Horovod cannot wake its thread (no hvdtrain patch 08)"}
-        elif name == "HOROVOD_CYCLE_TIME" and can_wake:
+        elif name == "HOROVOD_CYCLE_TIME" and wake_on:
             chosen[name] = {"value": default, "by": "default",
                             "why": "woken when work is enqueued, the cycle is only how often an "
                                    "idle rank negotiates"}

@@ -47,10 +47,6 @@ def _job(tmp_path, source: str, cycle_ms: str = "3000") -> dict:
     return json.loads(out.read_text())
 
 
-def _elapsed_under_a_3_s_cycle(tmp_path, source: str) -> float:
-    return _job(tmp_path, source)["elapsed"]
-
-
 WAKE_JOB = """
 import json, sys, time
 import torch
@@ -73,7 +69,7 @@ def test_woken_thread_answers_without_waiting_for_the_cycle(tmp_path):
     # thread's sleep, so 10 all-reduces in a row under a 3 s cycle take far less than one
     # cycle. Without the wake each would wait out up to a cycle (about 30 s for the 10, measured
     # 10.0 s for 10 at a 1 s cycle), so this fails, and does not race the machine's speed.
-    assert _elapsed_under_a_3_s_cycle(tmp_path, WAKE_JOB) < 3.0
+    assert _job(tmp_path, WAKE_JOB)["elapsed"] < 3.0
 
 
 PUT_BACK_JOB = """
@@ -103,7 +99,7 @@ def test_work_put_back_for_a_late_rank_is_negotiated_again_at_once(tmp_path):
     # Rank 0 asks for a and b; rank 1 for b, then a 0.2 s later. The negotiation that does b
     # puts rank 0's a back; patch 08 negotiates again at once (waiting inside the collective for
     # rank 1's a) instead of sleeping out rank 0's 3 s cycle: about 0.2 s, not 3 s.
-    assert 0.1 < _elapsed_under_a_3_s_cycle(tmp_path, PUT_BACK_JOB) < 3.0
+    assert 0.1 < _job(tmp_path, PUT_BACK_JOB)["elapsed"] < 3.0
 
 
 IDLE_JOB = """
