@@ -152,7 +152,7 @@ def keras_setup(args):
             if keras.backend.backend() == "tensorflow":
                 import tensorflow as tf
                 tf.config.threading.set_intra_op_parallelism_threads(args.threads)
-                tf.config.threading.set_inter_op_parallelism_threads(1)
+                tf.config.threading.set_inter_op_parallelism_threads(args.threads)
             else:
                 import torch
                 torch.set_num_threads(args.threads)
