@@ -179,3 +179,30 @@ def test_a_fractional_step_epoch_drops_at_the_same_whole_step_in_python_and_kera
     lr = WarmupSchedule(1.0, 1.0, decay=decay)
     assert [float(ops.convert_to_numpy(lr(np.int64(s)))) for s in (54, 55)] == pytest.approx(
         [1.0, 0.1])
+
+
+def test_keras_schedule_on_the_torch_backend_with_and_without_a_decay():
+    """The torch backend runs the schedule eagerly and skips the decay's ops while none is set;
+    a decay set afterwards (hk.warmup(decay=)) takes effect at the next call, as in the traced
+    TensorFlow step. A fresh interpreter: the backend is chosen when Keras is imported."""
+    pytest.importorskip("keras")
+    import json
+    import os
+    import subprocess
+    import sys
+    code = ("import json, numpy as np\n"
+            "from keras import ops\n"
+            "from hvdtrain import schedule\n"
+            "from hvdtrain.keras.scheduler import WarmupSchedule\n"
+            "lr = WarmupSchedule(0.01, 2.0, backward_passes_per_step=2, warmup_steps=10)\n"
+            "f = lambda: [float(ops.convert_to_numpy(lr(np.int64(2 * s)))) for s in range(40)]\n"
+            "constant = f()\n"
+            "lr.set_decay(schedule.decay('cosine', epochs=4, steps_per_epoch=10, "
+            "warmup_epochs=1))\n"
+            "print(json.dumps([constant, f()]))\n")
+    env = {**os.environ, "KERAS_BACKEND": "torch"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120, check=True).stdout.splitlines()[-1]
+    constant, cosine = json.loads(out)
+    assert constant == pytest.approx([_lr(s, "constant") for s in range(40)], rel=1e-5)
+    assert cosine == pytest.approx([_lr(s, "cosine") for s in range(40)], rel=1e-5)
