@@ -88,8 +88,24 @@ def test_one_rank_keeps_the_default_cycle_and_the_size_comes_from_the_launcher(m
     assert "one rank" in chosen[CYCLE]["why"]
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
     assert tuning.rank_settings(on_gpu=False, env={}, can_wake=False)[CYCLE]["value"] == "0.1"
-    # With the wake patch the cycle stays Horovod's at any size.
+    # With the wake patch the cycle stays Horovod's with peers to negotiate with ...
     assert tuning.rank_settings(on_gpu=False, env={}, can_wake=True)[CYCLE]["value"] == "1"
+
+
+def test_one_woken_rank_wakes_its_idle_thread_every_10_ms_unless_elastic_or_on_a_gpu():
+    env = {}
+    chosen = tuning.rank_settings(on_gpu=False, size=1, env=env, can_wake=True)
+    assert env == {WAKE: "1", CYCLE: "10", YIELD: "1", FUSION: MIB4}
+    assert chosen[CYCLE]["by"] == "hvdtrain" and "one rank" in chosen[CYCLE]["why"]
+    # An elastic job may grow (its peers would wait up to a cycle), a GPU rank keeps the
+    # defaults, and the user's cycle wins.
+    elastic = {"HOROVOD_ELASTIC": "1"}
+    assert tuning.rank_settings(on_gpu=False, size=1, env=elastic, can_wake=True)[CYCLE][
+        "value"] == "1" and CYCLE not in elastic
+    assert tuning.rank_settings(on_gpu=True, size=1, env={}, can_wake=True)[CYCLE]["value"] == "1"
+    users = {CYCLE: "2"}
+    assert tuning.rank_settings(on_gpu=False, size=1, env=users, can_wake=True)[CYCLE][
+        "by"] == "user" and users[CYCLE] == "2"
 
 
 def test_a_user_who_turns_the_wake_off_gets_the_short_cycle_and_a_true_record():
