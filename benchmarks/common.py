@@ -96,6 +96,37 @@ def run_json(argv: list[str], env: dict, timeout: int = 900) -> dict:
         os.unlink(path)
 
 
+def run_json_together(argvs: list[list[str]], env: dict, timeout: int = 900) -> list[dict]:
+    """:func:`run_json` for several jobs started at once (independent processes side by side),
+    in the order of ``argvs``.
+
+    Raises:
+        RuntimeError: a job failed or wrote nothing; the message holds its output tail.
+    """
+    paths, procs = [], []
+    try:
+        for argv in argvs:
+            fd, path = tempfile.mkstemp(prefix="hvdtrain-bench-", suffix=".json")
+            os.close(fd)
+            paths.append(path)
+            procs.append(subprocess.Popen([*argv, "--json-out", path], env=env, text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
+        results = []
+        for argv, proc, out, path in zip(argvs, procs, outputs, paths):
+            text = Path(path).read_text()
+            if proc.returncode != 0 or not text.strip():
+                raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}):\n{out[-3000:]}")
+            results.append(json.loads(text))
+        return results
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        for path in paths:
+            os.unlink(path)
+
+
 def median(values) -> float:
     return float(statistics.median(values))
 

@@ -61,12 +61,39 @@ def parse_args(argv=None):
     p.add_argument("--jit-compile", default="false", choices=("auto", "true", "false"),
                    help="Keras: model.compile's jit_compile (XLA on the TensorFlow backend)")
     p.add_argument("--threads", type=int, help="--mode single: intra-op threads (default: all)")
+    p.add_argument("--start-barrier", metavar="DIR,N",
+                   help="--mode single: after the warm-up, wait until N processes given the "
+                        "same DIR have warmed up, then time (independent processes timed "
+                        "side by side)")
     p.add_argument("--timeline-allreduces", action="store_true",
                    help="count gradient all-reduces in Horovod's timeline over the timed batches")
     args = p.parse_args(argv)
     if args.mode == "ddp" and args.framework != "torch":
         p.error("--mode ddp is PyTorch's DistributedDataParallel: use it with --framework torch")
+    if args.start_barrier is not None:
+        where, _, count = args.start_barrier.rpartition(",")
+        if args.mode != "single" or not where or not count.isdigit() or int(count) < 1:
+            p.error("--start-barrier DIR,N (N >= 1) is for --mode single")
     return args
+
+
+def start_barrier(spec: str | None, timeout_s: float = 600.0) -> None:
+    """Wait until N processes given the same ``DIR,N`` have called this (each writes a file in
+    DIR, then polls every 10 ms until DIR holds N). Nothing without ``spec``.
+
+    Raises:
+        TimeoutError: fewer than N arrived within ``timeout_s`` seconds.
+    """
+    if spec is None:
+        return
+    where, _, count = spec.rpartition(",")
+    os.makedirs(where, exist_ok=True)
+    open(os.path.join(where, f"ready-{os.getpid()}"), "w").close()
+    deadline = time.monotonic() + timeout_s
+    while len(os.listdir(where)) < int(count):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"--start-barrier {spec}: only {len(os.listdir(where))} arrived")
+        time.sleep(0.01)
 
 
 def torch_setup(args):
@@ -133,8 +160,8 @@ def keras_setup(args):
     ``fit_steps(n, marks)`` runs n optimizer steps (n x k micro-batches) in ONE ``model.fit``
     call over an endless in-memory dataset, the way Keras users train (``fit``'s set-up once, not
     per timed iteration), and returns the ``time.perf_counter()`` at the end of each optimizer
-    step (a callback; ``marks[i]()`` runs after step i). There is no ``plain`` mode: Horovod's
-    own Keras layer is written for Keras 2 and does not run on Keras 3.
+    step (a callback; ``marks[i]()`` runs after step i, before its time is taken). There is no
+    ``plain`` mode: Horovod's own Keras layer is written for Keras 2 and does not run on Keras 3.
     """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import keras
@@ -193,9 +220,9 @@ def keras_setup(args):
             self.times, self.marks = [], marks
 
         def on_train_batch_end(self, batch, logs=None):
-            if (batch + 1) % k == 0:
+            if (batch + 1) % k == 0:  # a mark runs before the step's time is taken
+                self.marks.get(len(self.times), lambda: None)()
                 self.times.append(time.perf_counter())
-                self.marks.get(len(self.times) - 1, lambda: None)()
 
     def fit_steps(n: int, marks: dict) -> list[float]:
         clock = Clock(marks)
@@ -225,10 +252,13 @@ def main(argv=None) -> dict:
     per_iter, warm = args.num_batches_per_iter, max(1, args.num_warmup_batches)
     if args.framework == "torch":
         timeit.timeit(step, number=args.num_warmup_batches)
+        start_barrier(args.start_barrier)
         start_timeline()
         seconds = [timeit.timeit(step, number=per_iter) for _ in range(args.num_iters)]
     else:  # one fit for everything; iteration i spans the steps after warm + i * per_iter - 1
-        times = fit_steps(warm + args.num_iters * per_iter, {warm - 1: start_timeline})
+        times = fit_steps(warm + args.num_iters * per_iter,
+                          {warm - 1: lambda: (start_barrier(args.start_barrier),
+                                              start_timeline())})
         seconds = [times[warm - 1 + (i + 1) * per_iter] - times[warm - 1 + i * per_iter]
                    for i in range(args.num_iters)]
     img_secs = []

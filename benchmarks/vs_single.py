@@ -1,7 +1,10 @@
 """Is distributing faster than not distributing? hvdtrain at np=2 against what a user would run
 instead on the same machine: one process on all cores doing the same work (same model, synthetic
 data, global batch), and PyTorch DDP (Gloo, torchrun) where it applies; plus hvdtrain at np=1
-against that plain loop (the adapter's own cost).
+against that plain loop (the adapter's own cost); and "np=2 apart": np copies of that loop on
+their share of the cores and of the batch, timed side by side with no all-reduce, the most any
+data-parallel run can reach on this machine ("apart / one" is what splitting the machine costs,
+"np2 / apart" what the all-reduce costs).
 
 Each variant is a real launch of ``benchmarks/synthetic.py`` the way a user starts it (plain
 ``horovodrun -np 2``, no tuning flags, Open MPI's yield setting unset: whatever hvdtrain's
@@ -18,8 +21,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
+from collections.abc import Callable
 
 import common
+
+from hvdtrain import runtime
 
 # path -> (synthetic.py --framework, KERAS_BACKEND)
 PATHS = {"torch": ("torch", None), "keras-tf": ("keras", "tensorflow"),
@@ -30,30 +37,47 @@ GLOBAL_BATCH = {"mnist": 64, "cnn": 64, "dense": 64, "gpt": 16}
 # number is not the noise of a 0.1 s window (mnist 20 steps took 0.15 s: spreads up to 1.6).
 ITER_STEPS = {"mnist": 120, "cnn": 16, "dense": 36, "gpt": 8}
 SINGLE, NP1, NP2, DDP = "one process", "hvdtrain np=1", "hvdtrain np=2", "DDP np=2"
+APART = "np=2 apart"  # np=2 without the all-reduce
 
 
-def variants(path: str, model: str, args) -> dict[str, tuple[list[str], dict]]:
-    """``{variant: (argv, env)}`` of one path and model; each argv takes ``--json-out``."""
+def variants(path: str, model: str, args) -> dict[str, Callable[[], float]]:
+    """``{variant: measure}`` of one path and model: ``measure()`` makes one run and returns its
+    total samples/s."""
     framework, backend = PATHS[path]
     batch = GLOBAL_BATCH[model]
 
-    def synthetic(mode: str, local_batch: int) -> list[str]:
+    def synthetic(mode: str, local_batch: int, *extra: str) -> list[str]:
         return [sys.executable, str(common.HERE / "synthetic.py"), "--framework", framework,
                 "--model", model, "--mode", mode, "--batch-size", str(local_batch),
                 "--jit-compile", args.jit_compile,
                 "--num-warmup-batches", str(args.warmup), "--num-batches-per-iter",
-                str(args.batches or ITER_STEPS[model]), "--num-iters", str(args.iters)]
+                str(args.batches or ITER_STEPS[model]), "--num-iters", str(args.iters), *extra]
 
     env = common.base_env(False)  # a user's shell: no OMPI_MCA_mpi_yield_when_idle
     if backend:
         env["KERAS_BACKEND"] = backend
-    runs = {SINGLE: (synthetic("single", batch), env),
-            NP1: (synthetic("hvdtrain", batch), env),
-            NP2: (common.horovodrun(args.np, synthetic("hvdtrain", batch // args.np)), env)}
+
+    def one(argv: list[str]) -> Callable[[], float]:
+        return lambda: common.run_json(argv, env)["total_img_sec"]
+
+    def apart() -> float:
+        # np processes of one process's loop on their share of the cores, each on its share
+        # of the batch, timed side by side from a common start: data parallelism without the
+        # all-reduce, the most any np=2 run can reach on this machine.
+        with tempfile.TemporaryDirectory(prefix="hvdtrain-bench-barrier-") as where:
+            argv = synthetic("single", batch // args.np, "--threads",
+                             str(runtime.thread_budget(args.np)),
+                             "--start-barrier", f"{where},{args.np}")
+            return sum(r["total_img_sec"] for r in common.run_json_together([argv] * args.np,
+                                                                             env))
+
+    runs = {SINGLE: one(synthetic("single", batch)),
+            NP1: one(synthetic("hvdtrain", batch)),
+            NP2: one(common.horovodrun(args.np, synthetic("hvdtrain", batch // args.np))),
+            APART: apart}
     if framework == "torch":
-        runs[DDP] = ([str(common.BIN / "torchrun"), "--standalone",
-                      f"--nproc_per_node={args.np}", *synthetic("ddp", batch // args.np)[1:]],
-                     env)
+        runs[DDP] = one([str(common.BIN / "torchrun"), "--standalone",
+                         f"--nproc_per_node={args.np}", *synthetic("ddp", batch // args.np)[1:]])
     return runs
 
 
@@ -63,7 +87,8 @@ def summarise(samples: dict[str, list[float]]) -> dict:
                     "spread": max(v) / min(v), "runs": v} for name, v in samples.items()}
     med = {name: s["median"] for name, s in stats.items()}
     pairs = {"np2 / one process": (NP2, SINGLE), "np1 / one process": (NP1, SINGLE),
-             "np2 / DDP": (NP2, DDP)}
+             "np2 / DDP": (NP2, DDP), "np2 / apart": (NP2, APART),
+             "apart / one process": (APART, SINGLE)}
     ratios = {name: med[a] / med[b] for name, (a, b) in pairs.items() if a in med and b in med}
     return {"stats": stats, "ratios": ratios, "round_ratios": round_ratios(stats, pairs)}
 
@@ -93,12 +118,12 @@ def render(results: dict, models: list[str], repeats: int, jit_compile: str) -> 
         per_round = round_ratios(s, {"np2 / one": (NP2, SINGLE)}).get("np2 / one")
         rows.append([key, cell(SINGLE), cell(NP2), cell(DDP), r("np2 / one process"),
                      f"{min(per_round):.2f}-{max(per_round):.2f}" if per_round else "-",
-                     r("np2 / DDP"), r("np1 / one process"),
-                     f"{max(v['spread'] for v in s.values()):.2f}"])
+                     r("np2 / DDP"), r("np1 / one process"), r("apart / one process"),
+                     r("np2 / apart"), f"{max(v['spread'] for v in s.values()):.2f}"])
     text = common.table(
         ["path/model", "one process, all cores: samples/s median (min-max)", "hvdtrain np=2",
          "DDP np=2", "np2 / one", "np2 / one, each round", "np2 / DDP", "np1 / one",
-         "worst max/min"], rows)
+         "apart / one", "np2 / apart", "worst max/min"], rows)
     return text + (f"\n\nGlobal batch {', '.join(f'{m} {GLOBAL_BATCH[m]}' for m in models)}; "
                    f"{repeats} interleaved rounds; Keras jit_compile={jit_compile}.")
 
@@ -116,7 +141,7 @@ def main(argv=None) -> dict:
     p.add_argument("--iters", type=int, default=3, help="timed iterations per run")
     p.add_argument("--jit-compile", default="false", choices=("auto", "true", "false"),
                    help="Keras: model.compile's jit_compile, in every Keras variant")
-    p.add_argument("--variants", default=",".join((SINGLE, NP1, NP2, DDP)),
+    p.add_argument("--variants", default=",".join((SINGLE, NP1, NP2, DDP, APART)),
                    help="which runs, comma-separated (a ratio needs both of its runs)")
     p.add_argument("--readme", action="store_true")
     p.add_argument("--render", metavar="JSON",
@@ -142,8 +167,8 @@ def main(argv=None) -> dict:
     samples = {g: {name: [] for name in runs} for g, runs in groups.items()}
     for r in range(args.repeats):  # interleaved: a drift in machine load hits every variant
         for g, runs in groups.items():
-            for name, (argv_, env) in runs.items():
-                samples[g][name].append(common.run_json(argv_, env)["total_img_sec"])
+            for name, measure in runs.items():
+                samples[g][name].append(measure())
             print(f"round {r + 1}/{args.repeats} {g[0]} {g[1]}: " + ", ".join(
                 f"{n} {v[-1]:.0f}" for n, v in samples[g].items()), flush=True)
     results = {f"{path}/{model}": summarise(samples[(path, model)]) for path, model in groups}

@@ -122,7 +122,8 @@ def test_vs_single_tiny(tmp_path):
     # The transformer LM (the newest model) on PyTorch (with DDP) and Keras/TensorFlow: one
     # process and hvdtrain np=2 under plain horovodrun (np=1 is left to make bench: time).
     data, out = bench(tmp_path, "vs_single.py", "--paths", "torch,keras-tf", "--models", "gpt",
-                      "--variants", "one process,hvdtrain np=2,DDP np=2", "--repeats", "1",
+                      "--variants", "one process,hvdtrain np=2,DDP np=2,np=2 apart",
+                      "--repeats", "1",
                       "--warmup", "1", "--batches", "2", "--iters", "1")
     results = data["results"]
     assert sorted(results) == ["keras-tf/gpt", "torch/gpt"]
@@ -133,6 +134,9 @@ def test_vs_single_tiny(tmp_path):
         assert ratios["np2 / one process"] == pytest.approx(
             stats["hvdtrain np=2"]["median"] / stats["one process"]["median"])
         assert all(len(s["runs"]) == 1 and s["median"] > 0 for s in stats.values())
+        # Two processes without the all-reduce, started together: their total against np=2's.
+        assert ratios["np2 / apart"] == pytest.approx(
+            stats["hvdtrain np=2"]["median"] / stats["np=2 apart"]["median"])
         assert res["round_ratios"]["np2 / one process"] == pytest.approx(
             [stats["hvdtrain np=2"]["runs"][0] / stats["one process"]["runs"][0]])
     assert "np2 / one" in out and "torch/gpt" in out
@@ -142,3 +146,4 @@ def test_vs_single_tiny(tmp_path):
                           timeout=120, env={**job_env(), "HVDTRAIN_BENCH_RESULTS": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| torch/gpt |" in proc.stdout and "np2 / one, each round" in proc.stdout
+    assert "np2 / apart" in proc.stdout
