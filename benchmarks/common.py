@@ -12,6 +12,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -98,33 +99,47 @@ def run_json(argv: list[str], env: dict, timeout: int = 900) -> dict:
 
 def run_json_together(argvs: list[list[str]], env: dict, timeout: int = 900) -> list[dict]:
     """:func:`run_json` for several jobs started at once (independent processes side by side),
-    in the order of ``argvs``.
+    in the order of ``argvs``. When one fails, the others are killed at once (they may be
+    waiting for it at a start barrier); their output goes to files, not pipes, so none blocks
+    on a full pipe while the others run.
 
     Raises:
-        RuntimeError: a job failed or wrote nothing; the message holds its output tail.
+        RuntimeError: a job failed, wrote nothing, or ran past ``timeout`` seconds; the message
+            holds its output tail.
     """
-    paths, procs = [], []
-    try:
-        for argv in argvs:
-            fd, path = tempfile.mkstemp(prefix="hvdtrain-bench-", suffix=".json")
-            os.close(fd)
-            paths.append(path)
-            procs.append(subprocess.Popen([*argv, "--json-out", path], env=env, text=True,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-        outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
-        results = []
-        for argv, proc, out, path in zip(argvs, procs, outputs, paths):
-            text = Path(path).read_text()
-            if proc.returncode != 0 or not text.strip():
-                raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}):\n{out[-3000:]}")
-            results.append(json.loads(text))
-        return results
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-        for path in paths:
-            os.unlink(path)
+    with tempfile.TemporaryDirectory(prefix="hvdtrain-bench-together-") as where:
+        jsons = [Path(where) / f"{i}.json" for i in range(len(argvs))]
+        logs = [open(Path(where) / f"{i}.log", "w") for i in range(len(argvs))]
+        procs = []
+        try:
+            for argv, out, log in zip(argvs, jsons, logs):
+                procs.append(subprocess.Popen([*argv, "--json-out", str(out)], env=env,
+                                              stdout=log, stderr=subprocess.STDOUT))
+            deadline = time.monotonic() + timeout
+            while any(p.poll() is None for p in procs):
+                failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    i = failed[0] if failed else next(
+                        i for i, p in enumerate(procs) if p.poll() is None)
+                    _fail(argvs[i], procs[i].poll(), Path(where) / f"{i}.log")
+                time.sleep(0.05)
+            for i, (proc, out) in enumerate(zip(procs, jsons)):
+                if proc.returncode != 0 or not out.exists() or not out.read_text().strip():
+                    _fail(argvs[i], proc.returncode, Path(where) / f"{i}.log")
+            return [json.loads(out.read_text()) for out in jsons]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            for log in logs:
+                log.close()
+
+
+def _fail(argv: list[str], code, log: Path):
+    tail = log.read_text(errors="replace")[-3000:]
+    what = "timed out" if code is None else f"failed ({code})"
+    raise RuntimeError(f"{' '.join(argv)} {what}:\n{tail}")
 
 
 def median(values) -> float:

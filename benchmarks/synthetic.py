@@ -60,10 +60,11 @@ def parse_args(argv=None):
     p.add_argument("--json-out", help="rank 0 writes the result JSON here")
     p.add_argument("--jit-compile", default="false", choices=("auto", "true", "false"),
                    help="Keras: model.compile's jit_compile (XLA on the TensorFlow backend)")
-    p.add_argument("--threads", type=int, help="--mode single: intra-op threads (default: all)")
+    p.add_argument("--threads", type=int, help="--mode single: intra-op threads (and "
+                   "TensorFlow's inter-op threads; default: all)")
     p.add_argument("--start-barrier", metavar="DIR,N",
                    help="--mode single: after the warm-up, wait until N processes given the "
-                        "same DIR have warmed up, then time (independent processes timed "
+                        "same empty DIR have warmed up, then time (independent processes timed "
                         "side by side)")
     p.add_argument("--timeline-allreduces", action="store_true",
                    help="count gradient all-reduces in Horovod's timeline over the timed batches")
@@ -254,13 +255,16 @@ def main(argv=None) -> dict:
         timeit.timeit(step, number=args.num_warmup_batches)
         start_barrier(args.start_barrier)
         start_timeline()
+        began = time.perf_counter()
         seconds = [timeit.timeit(step, number=per_iter) for _ in range(args.num_iters)]
+        window = [began, time.perf_counter()]
     else:  # one fit for everything; iteration i spans the steps after warm + i * per_iter - 1
         times = fit_steps(warm + args.num_iters * per_iter,
                           {warm - 1: lambda: (start_barrier(args.start_barrier),
                                               start_timeline())})
         seconds = [times[warm - 1 + (i + 1) * per_iter] - times[warm - 1 + i * per_iter]
                    for i in range(args.num_iters)]
+        window = [times[warm - 1], times[warm - 1 + args.num_iters * per_iter]]
     img_secs = []
     for i, sec in enumerate(seconds):
         img_sec = samples_per_step * per_iter / sec
@@ -284,6 +288,9 @@ def main(argv=None) -> dict:
               "batch_size": args.batch_size, "backward_passes_per_step": k,
               "img_sec_per_worker": mean, "img_sec_per_worker_conf": conf,
               "total_img_sec": total, "iters": img_secs, "timed_seconds": sum(seconds),
+              # time.perf_counter() (CLOCK_MONOTONIC: one clock for every process of a Linux
+              # host) at the start and end of the timed steps, and the samples in between.
+              "timed_window": window, "samples_timed": samples_timed,
               "allreduces": allreduces,
               "allreduces_per_sample": (allreduces / samples_timed) if allreduces else None,
               "threads": _threads(args.framework)}

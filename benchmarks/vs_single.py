@@ -4,7 +4,8 @@ data, global batch), and PyTorch DDP (Gloo, torchrun) where it applies; plus hvd
 against that plain loop (the adapter's own cost); and "np=2 apart": np copies of that loop on
 their share of the cores and of the batch, timed side by side with no all-reduce, the most any
 data-parallel run can reach on this machine ("apart / one" is what splitting the machine costs,
-"np2 / apart" what the all-reduce costs).
+"np2 / apart" what distributing costs beyond that: the all-reduce, the ranks' waiting for each
+other every step, the adapter).
 
 Each variant is a real launch of ``benchmarks/synthetic.py`` the way a user starts it (plain
 ``horovodrun -np 2``, no tuning flags, Open MPI's yield setting unset: whatever hvdtrain's
@@ -64,12 +65,16 @@ def variants(path: str, model: str, args) -> dict[str, Callable[[], float]]:
         # np processes of one process's loop on their share of the cores, each on its share
         # of the batch, timed side by side from a common start: data parallelism without the
         # all-reduce, the most any np=2 run can reach on this machine.
+        # Every timed sample over the span from the first start to the last end (one clock
+        # for all processes): a process that finishes first leaves the machine to the others,
+        # which a sum of the processes' own rates would count as speed.
         with tempfile.TemporaryDirectory(prefix="hvdtrain-bench-barrier-") as where:
             argv = synthetic("single", batch // args.np, "--threads",
                              str(runtime.thread_budget(args.np)),
                              "--start-barrier", f"{where},{args.np}")
-            return sum(r["total_img_sec"] for r in common.run_json_together([argv] * args.np,
-                                                                             env))
+            runs = common.run_json_together([argv] * args.np, env)
+        span = (max(r["timed_window"][1] for r in runs) - min(r["timed_window"][0] for r in runs))
+        return sum(r["samples_timed"] for r in runs) / span
 
     runs = {SINGLE: one(synthetic("single", batch)),
             NP1: one(synthetic("hvdtrain", batch)),

@@ -73,8 +73,9 @@ def init(seed: int = 42, threads: int | None = None, device: str = "auto") -> ru
 
     Args:
         seed: base seed.
-        threads: intra-op CPU threads for this rank (default: ``OMP_NUM_THREADS`` when set,
-            else its share of the cores; :func:`hvdtrain.runtime.thread_budget`).
+        threads: intra-op CPU threads for this rank, and on TensorFlow as many inter-op
+            threads (default: ``OMP_NUM_THREADS`` when set, else its share of the cores;
+            :func:`hvdtrain.runtime.thread_budget`).
         device: ``"auto"``, ``"cpu"`` or ``"cuda"`` (:func:`hvdtrain.runtime.choose_device`).
 
     Returns:
@@ -91,7 +92,7 @@ def init(seed: int = 42, threads: int | None = None, device: str = "auto") -> ru
         gpu_count = B.torch.cuda.device_count() if B.torch.cuda.is_available() else 0
     settings = tuning.rank_settings(on_gpu=device == "cuda" or (device == "auto" and gpu_count > 0))
     hvd.init()
-    settings = tuning.settings_in_effect(settings, hvd.mpi_enabled())
+    settings = tuning.settings_in_effect(settings, hvd.mpi_enabled(), hvd.size())
     threads = runtime.thread_budget(hvd.local_size()) if threads is None else int(threads)
     if B.NAME == "tensorflow":
         tf = B.tf

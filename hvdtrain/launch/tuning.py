@@ -11,6 +11,7 @@ the launchers' argv builders that take these settings are in :mod:`hvdtrain.laun
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -18,6 +19,8 @@ import subprocess
 from collections.abc import MutableMapping
 
 from hvdtrain.runtime import launcher_size
+
+log = logging.getLogger(__name__)
 
 # `hvdtrain launch --yield-when-idle` values (see launch_tuning).
 YIELD_MODES = ("auto", "on", "off")
@@ -302,10 +305,31 @@ def rank_settings(on_gpu: bool, size: int | None = None,
     return chosen
 
 
-def settings_in_effect(settings: dict[str, dict], mpi: bool) -> dict[str, dict]:
+def settings_in_effect(settings: dict[str, dict], mpi: bool, size: int | None = None,
+                       env: MutableMapping[str, str] | None = None) -> dict[str, dict]:
     """:func:`rank_settings`'s record after ``hvd.init()``: Open MPI's ``OMPI_MCA_*`` settings
     apply only where MPI runs the job (``hvd.mpi_enabled()``); under the Gloo controller
-    (``horovodrun --gloo``, elastic runs) they are marked ``"by": "n/a"``."""
+    (``horovodrun --gloo``, elastic runs) they are marked ``"by": "n/a"``.
+
+    With ``size`` (``hvd.size()``), the one-rank cycle (:data:`CPU_CYCLE_ALONE`), read by
+    ``hvd.init()`` already, leaves ``env`` (default ``os.environ``), so that a job this process
+    launches does not take it for the user's; and where the job has more ranks than the
+    launcher's environment said (a launcher whose size variable hvdtrain does not read), a
+    warning says to set ``HOROVOD_CYCLE_TIME``, and the record says so.
+    """
+    env = os.environ if env is None else env
+    cycle = settings.get("HOROVOD_CYCLE_TIME", {})
+    if size is not None and cycle.get("by") == "hvdtrain" and \
+            cycle.get("value") == CPU_CYCLE_ALONE[0]:
+        if env.get("HOROVOD_CYCLE_TIME") == CPU_CYCLE_ALONE[0]:
+            del env["HOROVOD_CYCLE_TIME"]
+        if size != 1:
+            log.warning("hvdtrain chose Horovod's cycle for a job of one rank (the launcher's "
+                        "environment named no size), but the job has %d ranks: set "
+                        "HOROVOD_CYCLE_TIME=1 for its ranks", size)
+            settings = {**settings, "HOROVOD_CYCLE_TIME": {
+                **cycle, "why": cycle["why"] + f"; but the job has {size} ranks (the "
+                "launcher's environment named no size): set HOROVOD_CYCLE_TIME=1"}}
     if mpi:
         return settings
     return {name: ({**s, "by": "n/a", "why": "not used: the Gloo controller runs the job, no MPI"}

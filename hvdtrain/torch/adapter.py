@@ -67,7 +67,7 @@ def init(seed: int = 42, threads: int | None = None, device: str = "auto") -> ru
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     settings = tuning.rank_settings(on_gpu=device == "cuda" or (device == "auto" and gpus > 0))
     hvd.init()
-    settings = tuning.settings_in_effect(settings, hvd.mpi_enabled())
+    settings = tuning.settings_in_effect(settings, hvd.mpi_enabled(), hvd.size())
     where = runtime.choose_device(device, gpus, hvd.local_rank(), hvd.local_size())
     if where != "cpu":
         torch.cuda.set_device(torch.device(where))

@@ -126,3 +126,23 @@ def test_a_user_who_turns_the_wake_off_gets_the_short_cycle_and_a_true_record():
 def test_horovod_flags_read_as_horovod_reads_them():
     assert [tuning.horovod_flag(v) for v in ("1", " 2", "+1x", "0", "true", "on", "", "-0")] == [
         True, True, True, False, False, False, False, False]
+
+
+def test_the_one_rank_cycle_leaves_the_environment_after_init_and_a_wrong_size_is_said(caplog):
+    env = {}
+    chosen = tuning.rank_settings(on_gpu=False, size=1, env=env, can_wake=True)
+    assert env[CYCLE] == "10"
+    # Read by hvd.init() already: a job this process launches must not take it for the user's.
+    assert tuning.settings_in_effect(chosen, mpi=True, size=1, env=env) == chosen
+    assert CYCLE not in env and env[WAKE] == "1"
+    # A launcher whose size variable hvdtrain does not read: one rank assumed, two found.
+    env = {}
+    chosen = tuning.rank_settings(on_gpu=False, size=1, env=env, can_wake=True)
+    with caplog.at_level("WARNING"):
+        record = tuning.settings_in_effect(chosen, mpi=True, size=2, env=env)
+    assert "the job has 2 ranks" in record[CYCLE]["why"] and "HOROVOD_CYCLE_TIME=1" in caplog.text
+    # The user's cycle is the user's: left in place, no warning.
+    env, caplog_before = {CYCLE: "10"}, len(caplog.records)
+    chosen = tuning.rank_settings(on_gpu=False, size=1, env=env, can_wake=True)
+    tuning.settings_in_effect(chosen, mpi=True, size=2, env=env)
+    assert env[CYCLE] == "10" and len(caplog.records) == caplog_before
