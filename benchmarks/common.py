@@ -81,20 +81,10 @@ def run_json(argv: list[str], env: dict, timeout: int = 900) -> dict:
     lines.)
 
     Raises:
-        RuntimeError: the job failed or wrote nothing; the message holds its output tail.
+        RuntimeError: the job failed, wrote nothing, or ran past ``timeout`` seconds; the
+            message holds its output tail.
     """
-    fd, path = tempfile.mkstemp(prefix="hvdtrain-bench-", suffix=".json")
-    os.close(fd)
-    try:
-        proc = subprocess.run([*argv, "--json-out", path], env=env, capture_output=True,
-                              text=True, timeout=timeout)
-        text = Path(path).read_text()
-        if proc.returncode != 0 or not text.strip():
-            raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}):\n"
-                               f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        return json.loads(text)
-    finally:
-        os.unlink(path)
+    return run_json_together([argv], env, timeout)[0]
 
 
 def run_json_together(argvs: list[list[str]], env: dict, timeout: int = 900) -> list[dict]:

@@ -65,6 +65,12 @@ def launcher_local_size() -> int:
     return 1
 
 
+def launched_elastic(env: Mapping[str, str] | None = None) -> bool:
+    """Whether Horovod Elastic launched this process (``horovodrun`` sets ``HOROVOD_ELASTIC=1``
+    for its workers): the job's size may change at a reset."""
+    return (os.environ if env is None else env).get("HOROVOD_ELASTIC") == "1"
+
+
 def slurm_hosts_warning(hosts: int, env: dict[str, str] | None = None) -> str | None:
     """A warning when a job inside a Slurm allocation of several nodes runs on fewer hosts than
     the allocation has, e.g. ``horovodrun -np 8`` without ``-H`` in an sbatch script: horovodrun
@@ -163,7 +169,7 @@ def count_hosts(local_rank: int, cross_size: int, allreduce_sums) -> int:
     (``HOROVOD_ELASTIC=1``) no collective may run outside the elastic loop (a joining worker
     would meet the others' state sync), so there ``cross_size`` is returned as is.
     """
-    if os.environ.get("HOROVOD_ELASTIC") == "1":
+    if launched_elastic():
         return cross_size
     return int(allreduce_sums({"hosts": float(local_rank == 0)})["hosts"])
 

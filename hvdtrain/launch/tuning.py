@@ -18,7 +18,7 @@ import shutil
 import subprocess
 from collections.abc import MutableMapping
 
-from hvdtrain.runtime import launcher_size
+from hvdtrain.runtime import launched_elastic, launcher_size
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +267,7 @@ def rank_settings(on_gpu: bool, size: int | None = None,
     users_wake = env.get("HOROVOD_CYCLE_WAKE", "").strip()
     wake_on = can_wake and (not users_wake or horovod_flag(users_wake))
     cpu_rule = dict(CPU_RANK_SETTINGS)
-    if wake_on and size == 1 and env.get("HOROVOD_ELASTIC") != "1":
+    if wake_on and size == 1 and not launched_elastic(env):
         # One rank for good (an elastic job may grow: peers would wait up to a cycle for it).
         cpu_rule["HOROVOD_CYCLE_TIME"] = CPU_CYCLE_ALONE
     if not wake_on:
