@@ -118,9 +118,15 @@ say "horovod: $(grep -A12 'Available Tensor Operations' "$RESULTS/doctor.txt" |
   grep -o '\[X\] [A-Za-z]*' | tr '\n' ' ')"
 
 case " $STEPS " in *" tests "*)
-  if ! "$PY" -c 'import pytest' 2>/dev/null; then  # offline: from the bundle (PIP_FIND_LINKS)
-    step pytest "$RESULTS/tests.log" "$PY" -m pip install --disable-pip-version-check pytest
-  fi
+  # pytest, and keras for the Keras-on-PyTorch test, where the environment lacks them (offline:
+  # from the bundle, PIP_FIND_LINKS).
+  for m in pytest keras; do
+    if ! "$PY" -c "import $m" 2>/dev/null; then
+      # the pinned version alone (a whole constraints file would also move the numpy it has)
+      spec=$(grep -E "^$m==" requirements/constraints.txt || echo "$m")
+      step "$m" "$RESULTS/tests.log" "$PY" -m pip install --disable-pip-version-check "$spec"
+    fi
+  done
   step tests "$RESULTS/tests.log" "$PY" -m pytest tests/gpu -m gpu -rA -p no:cacheprovider \
     --junitxml="$RESULTS/tests.xml"
   say "tests: $(grep -E '^=+ .*(passed|failed|error|skipped).* =+$' "$RESULTS/tests.log" | tail -n 1)"

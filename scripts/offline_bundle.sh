@@ -19,15 +19,16 @@
 #
 # (HVDTRAIN_GPU=1 to insist on the NCCL build; scripts/gpu_check.sh then checks the GPU side.)
 # The environment must already hold torch (the CUDA build the machine is meant for); the bundle
-# brings no framework. About 45 MB. Exit status 2 on bad arguments, before anything is fetched.
+# brings no framework but Keras (pure Python; its PyTorch backend is the GPU path). About 52 MB. Exit status 2 on bad arguments, before anything is fetched.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # What scripts/setup.sh installs into an HVDTRAIN_PYTHON environment that lacks it (its probe's
 # `needs`) together with setup.py's install_requires (tests/unit/test_offline_bundle.py checks that
-# this list covers both), and pytest for scripts/gpu_check.sh's tests.
+# this list covers both), and pytest and keras for scripts/gpu_check.sh's tests (on GPUs Keras runs
+# on its PyTorch backend, which needs no TensorFlow).
 PACKAGES=(setuptools cffi packaging psutil cloudpickle pyyaml numpy tqdm tensorboardX filelock
-          pytest)
+          pytest keras)
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
            manylinux_2_12_x86_64 manylinux2010_x86_64 manylinux1_x86_64)
 

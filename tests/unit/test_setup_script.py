@@ -450,6 +450,29 @@ def test_gpu_setup_end_to_end_with_stand_ins(tmp_path):
     assert again.stdout.splitlines() == [lines[-1]]
 
 
+def test_offline_set_up_without_sshd_warns_and_goes_on(tmp_path):
+    """A GPU node with no package registry (seen: an H200 image without ssh/sshd): the optional
+    ssh packages are not asked of apt-get (an offline bundle sets PIP_NO_INDEX), the set-up says
+    so and builds anyway."""
+    if not all(shutil.which(p, path="/usr/bin:/bin") for p in ("mpirun", "mpicc")):
+        pytest.skip("Open MPI missing: setup.sh would apt-get install it")
+    sdist = tmp_path / "horovod-0.28.1.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        tar.add(_fake_source(tmp_path / "src" / "horovod-0.28.1"), arcname="horovod-0.28.1")
+    env, _ = _gpu_env(tmp_path, HVDTRAIN_HOROVOD_SDIST=sdist, PIP_NO_INDEX="1",
+                      HVDTRAIN_SSHD=str(tmp_path / "no-sshd"))
+    _exe(tmp_path / "prefix" / "bin" / "horovodrun", f"#!/bin/sh\ncat <<'OUT'\n{CHECK_BUILD}OUT\n")
+    assert "apt=openssh-server" in _setup(env, "--plan").stdout  # one list, as before
+    proc = _setup(env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "[setup] apt-get install openssh-server ... not installed"
+    assert ("setup: warning: openssh-server not installed (not root, offline, or apt-get failed: "
+            in proc.stderr)
+    assert "multi-host runs and the test hosts of tests/parallel need ssh and sshd" in proc.stderr
+    assert lines[-1].startswith("[setup] ready: ")
+
+
 # ---- scripts/patch_horovod.sh -------------------------------------------------------------------
 
 def _patch(*args) -> subprocess.CompletedProcess:
