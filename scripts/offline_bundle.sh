@@ -19,7 +19,8 @@
 #
 # (HVDTRAIN_GPU=1 to insist on the NCCL build; scripts/gpu_check.sh then checks the GPU side.)
 # The environment must already hold torch (the CUDA build the machine is meant for); the bundle
-# brings no framework but Keras (pure Python; its PyTorch backend is the GPU path). About 52 MB. Exit status 2 on bad arguments, before anything is fetched.
+# brings no framework but Keras (pure Python; its PyTorch backend is the GPU path). About 52 MB.
+# Exit status 2 on bad arguments, before anything is fetched.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
