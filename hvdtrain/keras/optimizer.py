@@ -158,6 +158,8 @@ class GradientAllreduce:
         optimizer._backend_update_step = self.backend_update_step
 
     def clip_gradients(self, grads):
+        if self.alone and self.guard is None and self.preempt is None:
+            return self._clip(self.opt, grads)  # nothing to reduce or check: Keras's own step
         grads = [None if g is None else B.native(g) for g in grads]
         dense = [g for g in grads if g is not None]
         extra = []

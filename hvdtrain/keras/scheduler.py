@@ -17,10 +17,21 @@ from hvdtrain import schedule
 NO_BOUNDARY = 3.0e38  # a padded boundary no step reaches
 
 
+def _torch_eager() -> bool:
+    """Keras runs on its PyTorch backend and the step is not being compiled (``jit_compile``:
+    torch.compile traces it, and a Python number read from a tensor would break the graph)."""
+    if keras.backend.backend() != "torch":
+        return False
+    import torch
+    return not torch.compiler.is_compiling()
+
+
 @keras.saving.register_keras_serializable(package="hvdtrain")
 class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
-    """The learning rate of a distributed optimizer, evaluated inside the training step (no host
-    synchronisation, works with ``steps_per_execution``):
+    """The learning rate of a distributed optimizer, evaluated inside the training step (works
+    with ``steps_per_execution``; traced on TensorFlow, with no host synchronisation; on the
+    PyTorch backend, which runs the step eagerly, a float base rate is computed in Python from
+    one read of the step, :meth:`_eager_rate`):
 
     ``lr(step) = base(step) x factor x warmup_multiplier(step)``, with ``step`` the optimizer step
     (Keras's micro-batch counter ``// backward_passes_per_step``), ``base`` the user's float or
@@ -100,6 +111,8 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
         return float(ops.convert_to_numpy(self.scale))
 
     def __call__(self, iterations):
+        if self.base_rate is not None and _torch_eager():
+            return self._eager_rate(iterations)
         step = ops.cast(ops.floor_divide(iterations, self.backward_passes_per_step), "float32")
         base = (self.base_lr(step) if self.base_rate is None
                 else ops.convert_to_tensor(self.base_rate))
@@ -107,13 +120,36 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
         f = ops.convert_to_tensor(self.scale)
         ramp = (1.0 + (f - 1.0) * step / ops.maximum(w, 1e-12)) / f
         multiplier = ops.where(step < w, ramp, ops.ones_like(ramp))
-        lr = ops.cast(base, "float32") * f * multiplier
-        if self.decay is None and keras.backend.backend() == "torch":
-            # Eager (each step runs this Python): no decay set now, so none to evaluate; the
-            # decay's 16 ops were 0.27 ms of every step (2 % of the MNIST CNN's at np=1). A
-            # traced step (TensorFlow) keeps them: set_decay may change the variables later.
-            return lr
-        return lr * self._decay_multiplier(step)
+        return ops.cast(base, "float32") * f * multiplier * self._decay_multiplier(step)
+
+    def _eager_rate(self, iterations) -> float:
+        """The rate on Keras's PyTorch backend, which runs the step eagerly (Python each step):
+        the step and the three variables read in two device-to-host copies, then the rule in
+        Python (:meth:`rate`; the decay from :attr:`decay`, which :meth:`set_decay` keeps with
+        its variables). The tensor rule was 14 eager ops a step without a decay and 30 with
+        one (a kernel launch each on a GPU); this is 3. The host read is not an extra one:
+        Keras's torch optimizers pass the rate to ``torch._foreach_*`` as ``alpha``, which reads
+        a device tensor back to the host; a float needs no such read.
+
+        Args:
+            iterations: Keras's micro-batch counter (a variable, tensor or int).
+
+        Returns:
+            float: the learning rate, as the tensor rule computes it (in float64 here).
+        """
+        import torch
+        step = int(getattr(iterations, "value", iterations)) // self.backward_passes_per_step
+        base, warmup_steps, factor = torch.stack(
+            [v.value.reshape(()) for v in (self.base_rate, self.warmup_steps, self.scale)]
+        ).tolist()
+        return self.rate(step, base, warmup_steps, factor)
+
+    def rate(self, step: int, base: float, warmup_steps: float, factor: float) -> float:
+        """``base x factor x warmup multiplier x decay multiplier`` at optimizer step ``step``
+        (:func:`hvdtrain.schedule.warmup_multiplier`, Goyal et al. 2017; :attr:`decay`)."""
+        warm = schedule.warmup_multiplier(step, factor, warmup_steps, 1) if warmup_steps else 1.0
+        decay = self.decay.multiplier(step) if self.decay is not None else 1.0
+        return float(base) * factor * warm * decay
 
     @property
     def base(self):
@@ -127,11 +163,7 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
         base = self.base
         if callable(base):
             base = float(ops.convert_to_numpy(base(float(step))))
-        warmup_steps = float(ops.convert_to_numpy(self.warmup_steps))
-        warmup_epochs, per_epoch = (warmup_steps, 1) if warmup_steps else (0.0, 1)
-        return float(base) * self.factor * schedule.warmup_multiplier(
-            step, self.factor, warmup_epochs, per_epoch) * (
-            self.decay.multiplier(step) if self.decay is not None else 1.0)
+        return self.rate(step, base, float(ops.convert_to_numpy(self.warmup_steps)), self.factor)
 
     def set_rate(self, rate: float, iterations) -> None:
         """Make the rate of the current step ``rate``, keeping the warmup's shape: the base rate

@@ -182,9 +182,11 @@ def test_a_fractional_step_epoch_drops_at_the_same_whole_step_in_python_and_kera
 
 
 def test_keras_schedule_on_the_torch_backend_with_and_without_a_decay():
-    """The torch backend runs the schedule eagerly and skips the decay's ops while none is set;
-    a decay set afterwards (hk.warmup(decay=)) takes effect at the next call, as in the traced
-    TensorFlow step. A fresh interpreter: the backend is chosen when Keras is imported."""
+    """The torch backend runs the schedule eagerly: the step and the variables are read once and
+    the rule runs in Python, returning a float. A decay set afterwards (hk.warmup(decay=)) and
+    the variables that elastic.py (scale) and the warmup callback (warmup_steps) assign
+    directly take effect at the next call, as in the traced TensorFlow step. A fresh
+    interpreter: the backend is chosen when Keras is imported."""
     pytest.importorskip("keras")
     import json
     import os
@@ -199,10 +201,17 @@ def test_keras_schedule_on_the_torch_backend_with_and_without_a_decay():
             "constant = f()\n"
             "lr.set_decay(schedule.decay('cosine', epochs=4, steps_per_epoch=10, "
             "warmup_epochs=1))\n"
-            "print(json.dumps([constant, f()]))\n")
+            "cosine = f()\n"
+            "lr.scale.assign(4.0); lr.warmup_steps.assign(0.0)\n"
+            "it = __import__('keras').Variable(np.int64(6), dtype='int64', trainable=False)\n"
+            "print(json.dumps([constant, cosine, lr(it), type(lr(it)).__name__]))\n")
     env = {**os.environ, "KERAS_BACKEND": "torch"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          timeout=120, check=True).stdout.splitlines()[-1]
-    constant, cosine = json.loads(out)
+    constant, cosine, rescaled, kind = json.loads(out)
     assert constant == pytest.approx([_lr(s, "constant") for s in range(40)], rel=1e-5)
     assert cosine == pytest.approx([_lr(s, "cosine") for s in range(40)], rel=1e-5)
+    # micro-batch 6 = optimizer step 3 (k=2), past a warmup now 0 steps long, factor 4
+    decay = schedule.decay("cosine", epochs=4, steps_per_epoch=10, warmup_epochs=1)
+    assert rescaled == pytest.approx(0.01 * 4.0 * decay.multiplier(3), rel=1e-6)
+    assert kind == "float"
