@@ -41,7 +41,7 @@ bench: setup
 doctor: setup
 	hvdtrain doctor
 
-# On a GPU machine: NCCL set-up, tests/gpu and the ResNet-50 benchmark, evidence in runs/gpu-check.
+# On a GPU machine: NCCL set-up, tests/gpu and the GPU benchmark (ResNet-50; Keras on PyTorch), evidence in runs/gpu-check.
 gpu-check:
 	bash scripts/gpu_check.sh runs/gpu-check
 

@@ -1,6 +1,8 @@
 """ResNet-50 training throughput on NVIDIA GPUs with synthetic data: a plain PyTorch loop against
 the same loop through hvdtrain (``init``, ``distribute``, ``micro_batches`` with k=1), in fp32,
-bf16 (``torch.autocast``) and channels_last (fp32, NHWC model and batches). Output lines follow
+bf16 (``torch.autocast``) and channels_last (fp32, NHWC model and batches); and Keras 3 on its
+PyTorch backend, plain ``model.fit`` against ``hvdtrain.keras``, on the small benchmark models
+(``keras_mnist``, ``keras_gpt``, ... : :mod:`gpu_keras`). Output lines follow
 Horovod's ``pytorch_synthetic_benchmark.py`` (``Iter #i: X img/sec per GPU``,
 ``Img/sec per GPU: mean +-1.96 std``, ``Total img/sec on N GPU(s): ...``).
 
@@ -39,9 +41,17 @@ import sys
 import time
 from pathlib import Path
 
-VARIANTS = ("fp32", "bf16", "channels_last")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_keras beside this script
+import gpu_keras  # noqa: E402  (imports nothing heavy)
+
+TORCH_VARIANTS = ("fp32", "bf16", "channels_last")
+VARIANTS = TORCH_VARIANTS + gpu_keras.VARIANTS
+# What a run does by default (make gpu-check): the three ResNet-50 variants, and Keras on the
+# smallest CNN and the LM, where a step is short enough for the adapter's own cost to show.
+DEFAULT_VARIANTS = TORCH_VARIANTS + ("keras_mnist", "keras_gpt")
 LOOPS = ("plain", "hvdtrain")
 LOOP_NAMES = {"plain": "plain PyTorch", "hvdtrain": "hvdtrain"}
+KERAS_LOOP_NAMES = {"plain": "plain Keras fit", "hvdtrain": "hvdtrain.keras"}
 TARGET_RATIO = 0.98
 PROG = "benchmarks/gpu.py"
 
@@ -49,12 +59,13 @@ PROG = "benchmarks/gpu.py"
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--model", default="resnet50",
-                   help="a torchvision.models name (resnet50, resnet18, ...; weights=None), or "
-                        "'tiny' (a small CNN built here, no torchvision needed)")
+                   help="the PyTorch variants' model: a torchvision.models name (resnet50, "
+                        "resnet18, ...; weights=None), or 'tiny' (a small CNN built here, no "
+                        "torchvision needed); the keras_* variants name their own")
     p.add_argument("--batch-size", type=int, default=64, help="images per step per GPU")
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--num-classes", type=int, default=1000)
-    p.add_argument("--variants", default=",".join(VARIANTS),
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: a smoke test of this script, not a benchmark")
@@ -91,6 +102,15 @@ def missing_requirements(args) -> list[str]:
     """What this run needs and lacks, each with what to do; empty when it can start."""
     import torch
     problems = []
+    torch_variants = [v for v in args.variants if v in TORCH_VARIANTS]
+    if len(torch_variants) < len(args.variants):
+        import importlib.util
+        if gpu_keras.backend_problem():
+            problems.append(gpu_keras.backend_problem())
+        elif importlib.util.find_spec("keras") is None:
+            problems.append(f"Keras is not installed in {sys.prefix} (needed for the keras_* "
+                            "variants): pip install keras (3.x), or leave them out with "
+                            "--variants " + ",".join(torch_variants or TORCH_VARIANTS))
     if args.device == "cuda" and not torch.cuda.is_available():
         build = (f"built for CUDA {torch.version.cuda}, but no GPU or driver is visible"
                  if torch.version.cuda else "a CPU-only build")
@@ -99,7 +119,7 @@ def missing_requirements(args) -> list[str]:
             f"{build}). Run this on an NVIDIA GPU machine with a CUDA build of torch and Horovod "
             "built with NCCL (scripts/setup.sh with HVDTRAIN_GPU=1), or pass --device cpu for a "
             "smoke test of the script")
-    if args.model != "tiny":
+    if args.model != "tiny" and torch_variants:
         install = (f"pip install 'torchvision=={torchvision_pin(torch.__version__)}' (the "
                    f"release line built for torch {torch.__version__.split('+')[0]}) from the "
                    "same package index as torch: the CUDA wheel for a CUDA torch, the +cpu wheel "
@@ -275,10 +295,16 @@ def main(argv=None) -> dict:
             print(f"{PROG}: error: {problem}", file=sys.stderr)
         raise SystemExit(2)
 
+    keras_variants = [v for v in args.variants if v in gpu_keras.VARIANTS]
+    if keras_variants:
+        gpu_keras.use_torch_backend(args.device)  # before Keras is imported
     import torch
 
     import hvdtrain.torch as ht
     info = ht.init(seed=0, device=args.device)
+    if keras_variants:
+        import hvdtrain.keras as hk
+        hk.init(seed=0, device=args.device)  # what a Keras user calls (Horovod is up already)
     device = torch.device(info.device)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # as Horovod's benchmark: fastest conv kernels
@@ -286,13 +312,19 @@ def main(argv=None) -> dict:
     log = print if rank0 else (lambda *a, **k: None)
     unit = "GPU" if device.type == "cuda" else "CPU"
     log(f"Model: {args.model}")
+    if keras_variants:
+        log(f"Keras 3 on PyTorch: {', '.join(keras_variants)}")
     log(f"Batch size: {args.batch_size}")
     log(f"Number of {unit}s: {info.size}")
-    log(f"Variants: {', '.join(args.variants)}; loops: plain PyTorch, hvdtrain (k=1); "
+    log(f"Variants: {', '.join(args.variants)}; loops: plain (PyTorch, Keras fit), hvdtrain (k=1); "
         f"{args.rounds} round(s) of {args.iters} x {args.batches_per_iter} steps per block, "
         f"{args.warmup} warmup steps before each")
 
-    runners = {(v, loop): Runner(args, v, loop, device) for v in args.variants for loop in LOOPS}
+    def loop_name(variant: str, loop: str) -> str:
+        return (KERAS_LOOP_NAMES if variant in keras_variants else LOOP_NAMES)[loop]
+
+    runners = {(v, loop): (gpu_keras.KerasRunner if v in keras_variants else Runner)(
+        args, v, loop, device) for v in args.variants for loop in LOOPS}
     samples = args.batch_size * args.batches_per_iter
     iters = {key: [] for key in runners}   # img/sec of every timed iteration
     rounds = {key: [] for key in runners}  # img/sec of each round's block
@@ -301,7 +333,7 @@ def main(argv=None) -> dict:
         for variant in args.variants:
             for loop in order:
                 key = (variant, loop)
-                log(f"Round {r + 1}/{args.rounds}, {variant}, {LOOP_NAMES[loop]}: "
+                log(f"Round {r + 1}/{args.rounds}, {variant}, {loop_name(variant, loop)}: "
                     "Running benchmark...")
                 seconds = runners[key].block(args)
                 for s in seconds:
@@ -311,10 +343,12 @@ def main(argv=None) -> dict:
 
     results = {}
     for variant in args.variants:
-        entry = {}
+        entry = {"model": (variant[len(gpu_keras.PREFIX):] if variant in keras_variants
+                           else args.model),
+                 "framework": "keras (torch backend)" if variant in keras_variants else "torch"}
         for loop in LOOPS:
             mean, conf = summary(iters[(variant, loop)])
-            log(f"{variant}, {LOOP_NAMES[loop]}:")
+            log(f"{variant}, {loop_name(variant, loop)}:")
             log(f"Img/sec per {unit}: {mean:.1f} +-{conf:.1f}")
             log(f"Total img/sec on {info.size} {unit}(s): {info.size * mean:.1f} "
                 f"+-{info.size * conf:.1f}")

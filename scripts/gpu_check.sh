@@ -15,7 +15,8 @@
 #   setup  HVDTRAIN_GPU=1 scripts/setup.sh: Horovod built with NCCL (into HVDTRAIN_PYTHON's
 #          environment when it is set, else .venv)
 #   tests  pytest tests/gpu -m gpu (one rank: NCCL refuses two ranks on one GPU)
-#   bench  benchmarks/gpu.py: ResNet-50, hvdtrain / plain loop at fp32, bf16 and channels_last
+#   bench  benchmarks/gpu.py: ResNet-50, hvdtrain / plain loop at fp32, bf16 and channels_last,
+#          and Keras (PyTorch backend) plain fit / hvdtrain.keras on the MNIST CNN and the LM
 #          (target >= 0.98; reported, not asserted)
 # RESULTS then holds summary.txt (the GPU, driver, CUDA, torch, Horovod's build, and each step
 # with its exit status and seconds), setup.log (setup.sh's lines), setup.log.tools (the compiler's
@@ -117,16 +118,19 @@ step doctor "$RESULTS/doctor.txt" doctor
 say "horovod: $(grep -A12 'Available Tensor Operations' "$RESULTS/doctor.txt" |
   grep -o '\[X\] [A-Za-z]*' | tr '\n' ' ')"
 
+# What the tests (pytest, keras) and the benchmark (keras) need, where the environment lacks it
+# (offline: from the bundle, PIP_FIND_LINKS); the pinned version alone (a whole constraints file
+# would also move the numpy it has).
+wanted=''
+case " $STEPS " in *" tests "*) wanted="pytest keras" ;; *" bench "*) wanted="keras" ;; esac
+for m in $wanted; do
+  if ! "$PY" -c "import $m" 2>/dev/null; then
+    spec=$(grep -E "^$m==" requirements/constraints.txt || echo "$m")
+    step "$m" "$RESULTS/tests.log" "$PY" -m pip install --disable-pip-version-check "$spec"
+  fi
+done
+
 case " $STEPS " in *" tests "*)
-  # pytest, and keras for the Keras-on-PyTorch test, where the environment lacks them (offline:
-  # from the bundle, PIP_FIND_LINKS).
-  for m in pytest keras; do
-    if ! "$PY" -c "import $m" 2>/dev/null; then
-      # the pinned version alone (a whole constraints file would also move the numpy it has)
-      spec=$(grep -E "^$m==" requirements/constraints.txt || echo "$m")
-      step "$m" "$RESULTS/tests.log" "$PY" -m pip install --disable-pip-version-check "$spec"
-    fi
-  done
   step tests "$RESULTS/tests.log" "$PY" -m pytest tests/gpu -m gpu -rA -p no:cacheprovider \
     --junitxml="$RESULTS/tests.xml"
   say "tests: $(grep -E '^=+ .*(passed|failed|error|skipped).* =+$' "$RESULTS/tests.log" | tail -n 1)"

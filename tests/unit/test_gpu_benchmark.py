@@ -88,7 +88,11 @@ def test_benchmark_runs_on_the_cpu_in_horovods_format(tmp_path):
     result, printed = run_smoke(tmp_path, "--model", "tiny", "--rounds", "2")
     assert result["model"] == "tiny" and result["size"] == 1 and result["device"] == "cpu"
     assert result["machine"]["torch"] and result["machine"]["gpu"] is None
-    assert list(result["variants"]) == ["fp32", "bf16", "channels_last"]
+    variants = ["fp32", "bf16", "channels_last", "keras_mnist", "keras_gpt"]
+    assert list(result["variants"]) == variants
+    assert [(e["model"], e["framework"]) for e in result["variants"].values()] == [
+        ("tiny", "torch")] * 3 + [("mnist", "keras (torch backend)"),
+                                  ("gpt", "keras (torch backend)")]
     for variant, entry in result["variants"].items():
         for loop in ("plain", "hvdtrain"):
             assert len(entry[loop]["iters"]) == 2 * 2 and len(entry[loop]["rounds"]) == 2
@@ -97,14 +101,31 @@ def test_benchmark_runs_on_the_cpu_in_horovods_format(tmp_path):
         assert entry["meets_target"] == (entry["ratio"] >= result["target_ratio"] == 0.98)
     # What a person reads: Horovod's benchmark lines (per CPU here, per GPU on a GPU).
     lines = printed.splitlines()
-    for head in ("Model: tiny", "Batch size: 4", "Number of CPUs: 1"):
+    for head in ("Model: tiny", "Keras 3 on PyTorch: keras_mnist, keras_gpt", "Batch size: 4",
+                 "Number of CPUs: 1"):
         assert head in lines
-    assert sum(bool(re.fullmatch(r"Iter #\d+: \d+\.\d img/sec per CPU", l)) for l in lines) == 24
-    assert len([l for l in lines if re.fullmatch(r"Img/sec per CPU: [\d.]+ \+-[\d.]+", l)]) == 6
+    # 5 variants x 2 loops x 2 rounds x 2 iterations
+    assert sum(bool(re.fullmatch(r"Iter #\d+: \d+\.\d img/sec per CPU", l)) for l in lines) == 40
+    assert len([l for l in lines if re.fullmatch(r"Img/sec per CPU: [\d.]+ \+-[\d.]+", l)]) == 10
     assert len([l for l in lines
-                if re.fullmatch(r"Total img/sec on 1 CPU\(s\): [\d.]+ \+-[\d.]+", l)]) == 6
-    for variant in ("fp32", "bf16", "channels_last"):
+                if re.fullmatch(r"Total img/sec on 1 CPU\(s\): [\d.]+ \+-[\d.]+", l)]) == 10
+    assert "keras_gpt, plain Keras fit:" in lines and "keras_gpt, hvdtrain.keras:" in lines
+    for variant in variants:
         assert any(l.startswith(f"Ratio hvdtrain / plain ({variant}): ") for l in lines)
+
+
+def test_keras_variants_need_the_pytorch_backend(tmp_path):
+    """The keras_* variants compare Keras's PyTorch-backend loops (a GPU build of Horovod has no
+    TensorFlow ops): another KERAS_BACKEND is refused before any work, saying what to set."""
+    proc = python(str(BENCH), *SMOKE, "--model", "tiny", "--variants", "fp32,keras_mnist",
+                  env={"KERAS_BACKEND": "tensorflow"})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert ("benchmarks/gpu.py: error: the keras_* variants run Keras on its PyTorch backend, "
+            "but KERAS_BACKEND is 'tensorflow': unset it or set KERAS_BACKEND=torch") in proc.stderr
+    assert "Iter #" not in proc.stdout
+    ok = python(str(BENCH), *SMOKE, "--model", "tiny", "--variants", "fp32", "--rounds", "1",
+                env={"KERAS_BACKEND": "tensorflow"})  # no Keras variant: no Keras needed
+    assert ok.returncode == 0, ok.stderr[-2000:]
 
 
 def test_benchmark_torchvision_model(tmp_path):
