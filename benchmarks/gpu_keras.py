@@ -12,8 +12,10 @@ from __future__ import annotations
 import os
 import time
 
+import synthetic  # benchmarks/synthetic.py: the synthetic batches and Keras's endless dataset
+
 PREFIX = "keras_"
-MODELS = ("mnist", "cnn", "dense", "gpt")  # hvdtrain.keras.models.BENCH_MODELS
+MODELS = synthetic.MODELS
 VARIANTS = tuple(PREFIX + m for m in MODELS)
 
 
@@ -35,21 +37,6 @@ def use_torch_backend(device: str) -> None:
     os.environ["KERAS_BACKEND"] = "torch"
     if device == "cpu":
         os.environ["KERAS_TORCH_DEVICE"] = "cpu"
-
-
-def synthetic_batch(model: str, batch_size: int, image_size: int):
-    """One random batch ``(x, y)`` as NumPy arrays, channels-last: images ``(B, S, S, C)``
-    float32 (MNIST ``(B, 28, 28, 1)``) with labels ``(B,)``, or for ``gpt`` token ids
-    ``(B, 64)`` with next-token targets ``(B, 64)`` (int64)."""
-    import numpy as np
-    rng = np.random.default_rng(0)
-    if model == "gpt":
-        from hvdtrain.keras.models import GPT_CONTEXT, GPT_VOCAB
-        return (rng.integers(0, GPT_VOCAB, (batch_size, GPT_CONTEXT)),
-                rng.integers(0, GPT_VOCAB, (batch_size, GPT_CONTEXT)))
-    channels, side = (1, 28) if model == "mnist" else (3, image_size)
-    return (rng.standard_normal((batch_size, side, side, channels), dtype=np.float32),
-            rng.integers(0, 10, batch_size))
 
 
 class KerasRunner:
@@ -78,18 +65,8 @@ class KerasRunner:
             model, optimizer = hk.distribute(model, optimizer, backward_passes_per_step=1)
         model.compile(optimizer=optimizer,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        x, y = synthetic_batch(name, args.batch_size, args.image_size)
-
-        class Same(keras.utils.PyDataset):
-            """The same synthetic batch forever (as Horovod's synthetic benchmarks)."""
-
-            @property
-            def num_batches(self):
-                return None
-
-            def __getitem__(self, i):
-                return x, y
-
+        data = synthetic.same_batch_forever(*synthetic.synthetic_batch(
+            name, args.batch_size, args.image_size, channels_last=True))
         sync = ((lambda: torch.cuda.synchronize(device)) if device.type == "cuda"
                 else (lambda: None))
 
@@ -103,7 +80,7 @@ class KerasRunner:
                     sync()  # time what the device did, not what was queued
                     self.times.append(time.perf_counter())
 
-        self.model, self.data, self.clock = model, Same(), Clock
+        self.model, self.data, self.clock = model, data, Clock
         self.sync = sync
 
     def block(self, args) -> list[float]:

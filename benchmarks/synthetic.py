@@ -43,6 +43,22 @@ def synthetic_batch(model: str, batch_size: int, image_size: int, channels_last:
     return rng.standard_normal(shape, dtype=np.float32), rng.integers(0, 10, batch_size)
 
 
+def same_batch_forever(x, y):
+    """A ``keras.utils.PyDataset`` that yields the batch ``(x, y)`` forever (as Horovod's
+    synthetic benchmarks), for ``model.fit(..., steps_per_epoch=n)``."""
+    import keras
+
+    class Same(keras.utils.PyDataset):
+        @property
+        def num_batches(self):
+            return None
+
+        def __getitem__(self, i):
+            return x, y
+
+    return Same()
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--framework", choices=("torch", "keras"), default="torch")
@@ -199,19 +215,8 @@ def keras_setup(args):
     jit = {"auto": "auto", "true": True, "false": False}[args.jit_compile]
     model.compile(optimizer=optimizer, jit_compile=jit,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    x, y = synthetic_batch(args.model, args.batch_size, args.image_size, channels_last=True)
-
-    class Same(keras.utils.PyDataset):
-        """The same synthetic batch forever (as Horovod's synthetic benchmarks)."""
-
-        @property
-        def num_batches(self):
-            return None
-
-        def __getitem__(self, i):
-            return x, y
-
-    data = Same()
+    data = same_batch_forever(*synthetic_batch(args.model, args.batch_size, args.image_size,
+                                               channels_last=True))
 
     class Clock(keras.callbacks.Callback):
         """The time at the end of every optimizer step (every k-th micro-batch)."""
