@@ -122,6 +122,7 @@ def init(seed: int = 42, threads: int | None = None, device: str = "auto") -> ru
         where = runtime.choose_device(device, count, hvd.local_rank(), hvd.local_size())
         if where != "cpu":
             torch.cuda.set_device(hvd.local_rank())
+        _check_keras_torch_device(where)
         torch.set_num_threads(threads)
     seed = runtime.rank_seed(seed, hvd.rank())
     keras.utils.set_random_seed(seed)
@@ -130,6 +131,25 @@ def init(seed: int = 42, threads: int | None = None, device: str = "auto") -> ru
     return runtime.remember_rank_info(runtime.RankInfo(
         hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size(), threads, seed, hosts, where,
         settings))
+
+
+def _check_keras_torch_device(where: str) -> None:
+    """Keras's PyTorch backend chooses its device when ``keras`` is imported (a visible GPU, or
+    ``KERAS_TORCH_DEVICE``), before :func:`init` runs: a rank meant for ``where`` whose Keras
+    puts tensors elsewhere would compute there (on a GPU host, a CPU rank on the GPU).
+
+    Raises:
+        ValueError: Keras puts new tensors on another kind of device than ``where``.
+    """
+    placed = B.torch.device(keras.ops.zeros(()).device)
+    wanted = B.torch.device(where)
+    if placed.type != wanted.type:
+        raise ValueError(
+            f"this rank computes on {where}, but Keras's PyTorch backend puts tensors on "
+            f"{placed} (chosen when keras was imported: a visible GPU, or KERAS_TORCH_DEVICE="
+            f"{os.environ.get('KERAS_TORCH_DEVICE', '(unset)')}); set KERAS_TORCH_DEVICE="
+            f"{wanted.type} before importing keras (hvdtrain train does it for --device), or "
+            f"hide the GPUs with CUDA_VISIBLE_DEVICES=''")
 
 
 def rank_info() -> runtime.RankInfo:

@@ -106,6 +106,17 @@ def test_keras_on_its_pytorch_backend_trains_on_cuda(tmp_path):
     assert m["epochs"][-1]["train_loss"] < m["epochs"][0]["train_loss"]
 
 
+def test_keras_cpu_rank_on_a_gpu_host_computes_on_the_cpu(tmp_path):
+    """Keras's PyTorch backend would put a --device cpu rank's tensors on the visible GPU (it
+    chooses when imported); hvdtrain train sets KERAS_TORCH_DEVICE, and hk.init refuses a Keras
+    that computes elsewhere than the rank, so a finished run was on the CPU."""
+    run(train(tmp_path, "--device", "cpu", "--keras-backend", "torch", framework="keras"))
+    m = metrics(tmp_path)
+    check_run(m, "cpu")
+    assert m["versions"]["keras_backend"] == "torch"
+    assert m["final_test_accuracy"] >= 0.85
+
+
 @pytest.mark.parametrize("gpu_visible", [True, False], ids=["gpu-visible", "cpu-only-process"])
 def test_cuda_checkpoint_resumes_on_the_cpu(tmp_path, gpu_visible):
     run(train(tmp_path, "--device", "cuda", epochs=2))

@@ -240,3 +240,48 @@ def test_init_gives_tensorflow_as_many_inter_op_as_intra_op_threads(threads):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          timeout=120, check=True).stdout.split()
     assert out[-3:] == [str(threads)] * 3
+
+
+def _fresh(code: str, **env) -> "subprocess.CompletedProcess":
+    import os
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **env}, timeout=180)
+
+
+def test_init_refuses_a_keras_that_computes_elsewhere_than_the_rank():
+    """Keras's PyTorch backend picks its device when keras is imported (a visible GPU, or
+    KERAS_TORCH_DEVICE), before hk.init: a CPU rank whose Keras puts tensors elsewhere (on a GPU
+    host: the GPU) is an error that says what to set. Here the stand-in for "elsewhere" is
+    torch's meta device, the one other device a CPU machine has."""
+    code = ("import hvdtrain.keras as hk\n"
+            "try:\n"
+            "    hk.init(seed=0, device='cpu')\n"
+            "except ValueError as exc:\n"
+            "    print('ERROR', exc)\n"
+            "else:\n"
+            "    print('OK')\n")
+    refused = _fresh(code, KERAS_BACKEND="torch", KERAS_TORCH_DEVICE="meta")
+    assert refused.returncode == 0, refused.stderr[-2000:]
+    assert ("ERROR this rank computes on cpu, but Keras's PyTorch backend puts tensors on meta "
+            "(chosen when keras was imported: a visible GPU, or KERAS_TORCH_DEVICE=meta); set "
+            "KERAS_TORCH_DEVICE=cpu before importing keras") in refused.stdout
+    fine = _fresh(code, KERAS_BACKEND="torch", KERAS_TORCH_DEVICE="cpu")
+    assert fine.stdout.split()[-1] == "OK", fine.stdout + fine.stderr[-2000:]
+
+
+def test_train_sets_keras_torch_device_from_device(tmp_path):
+    """hvdtrain train --keras-backend torch --device cpu tells Keras before importing it (the
+    KERAS_TORCH_DEVICE=meta in the environment stands for a GPU Keras would otherwise pick),
+    and trains on the CPU."""
+    code = ("import sys\n"
+            "from hvdtrain.cli import main\n"
+            f"sys.exit(main(['train', '--framework', 'keras', '--keras-backend', 'torch', "
+            f"'--device', 'cpu', '--epochs', '1', '--output-dir', {str(tmp_path)!r}]))\n")
+    proc = _fresh(code, KERAS_TORCH_DEVICE="meta")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    import json
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    assert m["device"] == "cpu" and m["versions"]["keras_backend"] == "torch"
+    assert m["final_test_accuracy"] > 0.5
