@@ -105,8 +105,8 @@ def missing_requirements(args) -> list[str]:
     torch_variants = [v for v in args.variants if v in TORCH_VARIANTS]
     if len(torch_variants) < len(args.variants):
         import importlib.util
-        if gpu_keras.backend_problem():
-            problems.append(gpu_keras.backend_problem())
+        if problem := gpu_keras.backend_problem():
+            problems.append(problem)
         elif importlib.util.find_spec("keras") is None:
             problems.append(f"Keras is not installed in {sys.prefix} (needed for the keras_* "
                             "variants): pip install keras (3.x), or leave them out with "

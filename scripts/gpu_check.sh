@@ -119,12 +119,14 @@ say "horovod: $(grep -A12 'Available Tensor Operations' "$RESULTS/doctor.txt" |
   grep -o '\[X\] [A-Za-z]*' | tr '\n' ' ')"
 
 # What the tests (pytest, keras) and the benchmark (keras) need, where the environment lacks it
-# (offline: from the bundle, PIP_FIND_LINKS); the pinned version alone (a whole constraints file
-# would also move the numpy it has).
+# (offline: from the bundle, PIP_FIND_LINKS); keras at its pinned version alone (a whole
+# constraints file would also move the numpy the environment has).
 wanted=''
 case " $STEPS " in *" tests "*) wanted="pytest keras" ;; *" bench "*) wanted="keras" ;; esac
 for m in $wanted; do
-  if ! "$PY" -c "import $m" 2>/dev/null; then
+  # find_spec, not import: Keras's default backend is TensorFlow, absent from GPU environments
+  if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$m') is None)" \
+      2>/dev/null; then
     spec=$(grep -E "^$m==" requirements/constraints.txt || echo "$m")
     step "$m" "$RESULTS/tests.log" "$PY" -m pip install --disable-pip-version-check "$spec"
   fi

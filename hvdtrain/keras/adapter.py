@@ -83,7 +83,9 @@ def init(seed: int = 42, threads: int | None = None, device: str = "auto") -> ru
         ``"cuda:<local_rank>"``).
 
     Raises:
-        ValueError: ``device="cuda"`` without a GPU, or fewer GPUs than ranks on this host.
+        ValueError: ``device="cuda"`` without a GPU, or fewer GPUs than ranks on this host;
+            on Keras's PyTorch backend, Keras putting tensors on another device than the
+            rank's (it chose when imported: ``KERAS_TORCH_DEVICE``, else a visible GPU).
     """
     hvd = B.hvd
     if B.NAME == "tensorflow":
@@ -139,17 +141,18 @@ def _check_keras_torch_device(where: str) -> None:
     puts tensors elsewhere would compute there (on a GPU host, a CPU rank on the GPU).
 
     Raises:
-        ValueError: Keras puts new tensors on another kind of device than ``where``.
+        ValueError: Keras puts new tensors on another device than ``where``.
     """
-    placed = B.torch.device(keras.ops.zeros(()).device)
+    placed = B.torch.device(keras.ops.zeros(()).device)  # "cuda" is the current device here
     wanted = B.torch.device(where)
-    if placed.type != wanted.type:
+    if placed != wanted:
+        hide = ", or hide the GPUs with CUDA_VISIBLE_DEVICES=''" if wanted.type == "cpu" else ""
         raise ValueError(
             f"this rank computes on {where}, but Keras's PyTorch backend puts tensors on "
-            f"{placed} (chosen when keras was imported: a visible GPU, or KERAS_TORCH_DEVICE="
-            f"{os.environ.get('KERAS_TORCH_DEVICE', '(unset)')}); set KERAS_TORCH_DEVICE="
-            f"{wanted.type} before importing keras (hvdtrain train does it for --device), or "
-            f"hide the GPUs with CUDA_VISIBLE_DEVICES=''")
+            f"{placed} (chosen when keras was imported: KERAS_TORCH_DEVICE="
+            f"{os.environ.get('KERAS_TORCH_DEVICE', '(unset)')}, else a visible GPU); set "
+            f"KERAS_TORCH_DEVICE={wanted.type} before importing keras (hvdtrain train does it "
+            f"for --device){hide}")
 
 
 def rank_info() -> runtime.RankInfo:

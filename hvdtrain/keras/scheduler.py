@@ -17,21 +17,26 @@ from hvdtrain import schedule
 NO_BOUNDARY = 3.0e38  # a padded boundary no step reaches
 
 
-def _torch_eager() -> bool:
-    """Keras runs on its PyTorch backend and the step is not being compiled (``jit_compile``:
-    torch.compile traces it, and a Python number read from a tensor would break the graph)."""
-    if keras.backend.backend() != "torch":
+def _torch_eager_on_cpu(variable) -> bool:
+    """Keras runs on its PyTorch backend, ``variable`` lives on the CPU and the step is not
+    being compiled (``jit_compile``: torch.compile traces it, and a Python number read from a
+    tensor would break the graph; ``torch.compiler.is_compiling`` exists from torch 2.3, and
+    before it the check is skipped: such a read only costs a graph break). On a GPU the tensor
+    rule stays: there each read of a number is a host synchronisation, where its ops are
+    asynchronous kernel launches (Keras's Adam keeps the rate on the device)."""
+    if keras.backend.backend() != "torch" or variable.value.device.type != "cpu":
         return False
     import torch
-    return not torch.compiler.is_compiling()
+    compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return not (compiling and compiling())
 
 
 @keras.saving.register_keras_serializable(package="hvdtrain")
 class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
     """The learning rate of a distributed optimizer, evaluated inside the training step (works
     with ``steps_per_execution``; traced on TensorFlow, with no host synchronisation; on the
-    PyTorch backend, which runs the step eagerly, a float base rate is computed in Python from
-    one read of the step, :meth:`_eager_rate`):
+    PyTorch backend on the CPU, which runs the step eagerly, a float base rate is computed in
+    Python from one read of the step and returned as a float, :meth:`_eager_rate`):
 
     ``lr(step) = base(step) x factor x warmup_multiplier(step)``, with ``step`` the optimizer step
     (Keras's micro-batch counter ``// backward_passes_per_step``), ``base`` the user's float or
@@ -111,7 +116,7 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
         return float(ops.convert_to_numpy(self.scale))
 
     def __call__(self, iterations):
-        if self.base_rate is not None and _torch_eager():
+        if self.base_rate is not None and _torch_eager_on_cpu(self.scale):
             return self._eager_rate(iterations)
         step = ops.cast(ops.floor_divide(iterations, self.backward_passes_per_step), "float32")
         base = (self.base_lr(step) if self.base_rate is None
@@ -123,26 +128,24 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
         return ops.cast(base, "float32") * f * multiplier * self._decay_multiplier(step)
 
     def _eager_rate(self, iterations) -> float:
-        """The rate on Keras's PyTorch backend, which runs the step eagerly (Python each step):
-        the step and the three variables read in two device-to-host copies, then the rule in
-        Python (:meth:`rate`; the decay from :attr:`decay`, which :meth:`set_decay` keeps with
-        its variables). The tensor rule was 14 eager ops a step without a decay and 30 with
-        one (a kernel launch each on a GPU); this is 3. The host read is not an extra one:
-        Keras's torch optimizers pass the rate to ``torch._foreach_*`` as ``alpha``, which reads
-        a device tensor back to the host; a float needs no such read.
+        """The rate on Keras's PyTorch backend on the CPU, which runs the step eagerly (Python
+        each step): the step and the three variables read as numbers, then the rule in Python
+        (:meth:`rate`); on the CPU a read is a memory load, no synchronisation. The decay comes
+        from :attr:`decay`, which :meth:`set_decay` keeps with its variables (assigning
+        ``decay_numbers`` directly would not reach this path). The tensor rule was 14 eager ops
+        a step without a decay and 30 with one.
 
         Args:
             iterations: Keras's micro-batch counter (a variable, tensor or int).
 
         Returns:
-            float: the learning rate, as the tensor rule computes it (in float64 here).
+            float: the learning rate, as the tensor rule computes it (in float64 here, the
+            tensor rule in float32: they differ in the last bits).
         """
-        import torch
-        step = int(getattr(iterations, "value", iterations)) // self.backward_passes_per_step
-        base, warmup_steps, factor = torch.stack(
-            [v.value.reshape(()) for v in (self.base_rate, self.warmup_steps, self.scale)]
-        ).tolist()
-        return self.rate(step, base, warmup_steps, factor)
+        base, warmup_steps, factor = (v.value.item() for v in
+                                      (self.base_rate, self.warmup_steps, self.scale))
+        count = int(getattr(iterations, "value", iterations))
+        return self.rate(count // self.backward_passes_per_step, base, warmup_steps, factor)
 
     def rate(self, step: int, base: float, warmup_steps: float, factor: float) -> float:
         """``base x factor x warmup multiplier x decay multiplier`` at optimizer step ``step``

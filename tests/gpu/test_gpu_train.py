@@ -115,6 +115,17 @@ def test_keras_cpu_rank_on_a_gpu_host_computes_on_the_cpu(tmp_path):
     check_run(m, "cpu")
     assert m["versions"]["keras_backend"] == "torch"
     assert m["final_test_accuracy"] >= 0.85
+    # Without hvdtrain train's KERAS_TORCH_DEVICE, Keras takes the GPU and init refuses it.
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_TORCH_DEVICE"}
+    proc = subprocess.run([sys.executable, "-c", "import hvdtrain.keras as hk; "
+                           "hk.init(device='cpu')"], capture_output=True, text=True, timeout=300,
+                          env={**env, "KERAS_BACKEND": "torch"})
+    assert proc.returncode != 0
+    assert "this rank computes on cpu, but Keras's PyTorch backend puts tensors on cuda" \
+        in proc.stderr
 
 
 @pytest.mark.parametrize("gpu_visible", [True, False], ids=["gpu-visible", "cpu-only-process"])

@@ -265,8 +265,9 @@ def test_init_refuses_a_keras_that_computes_elsewhere_than_the_rank():
     refused = _fresh(code, KERAS_BACKEND="torch", KERAS_TORCH_DEVICE="meta")
     assert refused.returncode == 0, refused.stderr[-2000:]
     assert ("ERROR this rank computes on cpu, but Keras's PyTorch backend puts tensors on meta "
-            "(chosen when keras was imported: a visible GPU, or KERAS_TORCH_DEVICE=meta); set "
-            "KERAS_TORCH_DEVICE=cpu before importing keras") in refused.stdout
+            "(chosen when keras was imported: KERAS_TORCH_DEVICE=meta, else a visible GPU); set "
+            "KERAS_TORCH_DEVICE=cpu before importing keras (hvdtrain train does it for "
+            "--device), or hide the GPUs with CUDA_VISIBLE_DEVICES=''") in refused.stdout
     fine = _fresh(code, KERAS_BACKEND="torch", KERAS_TORCH_DEVICE="cpu")
     assert fine.stdout.split()[-1] == "OK", fine.stdout + fine.stderr[-2000:]
 

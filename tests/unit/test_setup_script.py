@@ -453,7 +453,7 @@ def test_gpu_setup_end_to_end_with_stand_ins(tmp_path):
 def test_offline_set_up_without_sshd_warns_and_goes_on(tmp_path):
     """A GPU node with no package registry (seen: an H200 image without ssh/sshd): the optional
     ssh packages are not asked of apt-get (an offline bundle sets PIP_NO_INDEX), the set-up says
-    so and builds anyway."""
+    so and builds anyway; online, an apt-get that fails for them is a warning too."""
     if not all(shutil.which(p, path="/usr/bin:/bin") for p in ("mpirun", "mpicc")):
         pytest.skip("Open MPI missing: setup.sh would apt-get install it")
     sdist = tmp_path / "horovod-0.28.1.tar.gz"
@@ -461,8 +461,10 @@ def test_offline_set_up_without_sshd_warns_and_goes_on(tmp_path):
         tar.add(_fake_source(tmp_path / "src" / "horovod-0.28.1"), arcname="horovod-0.28.1")
     env, _ = _gpu_env(tmp_path, HVDTRAIN_HOROVOD_SDIST=sdist, PIP_NO_INDEX="1",
                       HVDTRAIN_SSHD=str(tmp_path / "no-sshd"))
+    calls = tmp_path / "apt-get-calls"
+    _exe(tmp_path / "fakebin" / "apt-get", f"#!/bin/sh\necho \"$*\" >> {calls}\nexit 100\n")
     _exe(tmp_path / "prefix" / "bin" / "horovodrun", f"#!/bin/sh\ncat <<'OUT'\n{CHECK_BUILD}OUT\n")
-    assert "apt=openssh-server" in _setup(env, "--plan").stdout  # one list, as before
+    assert "openssh-server" in _plan(env)["apt"].split()  # listed with the others, as before
     proc = _setup(env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
@@ -471,6 +473,15 @@ def test_offline_set_up_without_sshd_warns_and_goes_on(tmp_path):
             in proc.stderr)
     assert "multi-host runs and the test hosts of tests/parallel need ssh and sshd" in proc.stderr
     assert lines[-1].startswith("[setup] ready: ")
+    assert not calls.exists()  # offline: apt-get never asked
+
+    if os.geteuid() != 0:
+        return  # not root: apt-get is not tried either
+    del env["PIP_NO_INDEX"]
+    again = _setup(env)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "[setup] apt-get install openssh-server ... not installed" in again.stdout
+    assert calls.read_text().splitlines()[0].startswith("update")  # asked, and it failed
 
 
 # ---- scripts/patch_horovod.sh -------------------------------------------------------------------
