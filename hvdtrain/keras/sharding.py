@@ -104,3 +104,42 @@ def shard_dataset(x: np.ndarray, y: np.ndarray, *, batch_size: int, seed: int = 
     return ShardedDataset(x, y, batch_size=batch_size, rank=rank, size=size, seed=seed,
                           shuffle=shuffle, backward_passes_per_step=backward_passes_per_step,
                           start_batch=start_batch)
+
+
+def sharded_fit_defaults(model: keras.Model) -> None:
+    """``fit``/``evaluate`` of a distributed model given a :class:`ShardedDataset` (an endless
+    stream) without ``steps_per_epoch``/``steps`` (or as ``validation_data`` without
+    ``validation_steps``) take its epoch (``data.steps_per_epoch``)
+    instead of running forever, and a ``steps_per_execution`` that does not divide the epoch is
+    refused before any step (Keras runs whole chunks of an endless dataset: with 4 and an epoch
+    of 6 it would train 8 micro-batches an epoch). Installed on the model object by
+    :func:`hvdtrain.keras.distribute` (once)."""
+    if "hvdtrain_fit" in model.__dict__:
+        return
+    fit, evaluate = model.fit, model.evaluate
+
+    def epoch_of(data, steps, what):
+        if not isinstance(data, ShardedDataset):
+            return steps
+        steps = data.steps_per_epoch if steps is None else int(steps)
+        chunk = int(getattr(model, "steps_per_execution", 1) or 1)
+        if steps % chunk:
+            raise ValueError(
+                f"{what}={steps} is not a multiple of the model's steps_per_execution={chunk}: "
+                f"Keras runs whole chunks of {chunk} batches of this endless sharded dataset, "
+                f"so an epoch would run {-(-steps // chunk) * chunk}; compile with a "
+                f"steps_per_execution that divides {steps}")
+        return steps
+
+    def sharded_fit(x=None, y=None, *args, steps_per_epoch=None, **kwargs):
+        validation = kwargs.get("validation_data")
+        if isinstance(validation, ShardedDataset) and kwargs.get("validation_steps") is None:
+            kwargs["validation_steps"] = epoch_of(validation, None, "validation_steps")
+        return fit(x, y, *args, steps_per_epoch=epoch_of(x, steps_per_epoch, "steps_per_epoch"),
+                   **kwargs)
+
+    def sharded_evaluate(x=None, y=None, *args, steps=None, **kwargs):
+        return evaluate(x, y, *args, steps=epoch_of(x, steps, "steps"), **kwargs)
+
+    model.hvdtrain_fit = sharded_fit
+    model.fit, model.evaluate = sharded_fit, sharded_evaluate
