@@ -31,12 +31,12 @@ def backend_problem() -> str | None:
 
 
 def use_torch_backend(device: str) -> None:
-    """Make Keras run on PyTorch, on ``device`` (``"cuda"`` or ``"cpu"``: Keras's PyTorch
-    backend picks a visible GPU by itself unless ``KERAS_TORCH_DEVICE`` says otherwise); call
-    before ``import keras`` (after :func:`backend_problem` found nothing)."""
+    """Make Keras run on PyTorch, on ``device`` (``"cuda"`` or ``"cpu"``,
+    :func:`hvdtrain.runtime.use_keras_torch_device`); call before ``import keras`` (after
+    :func:`backend_problem` found nothing)."""
+    from hvdtrain import runtime
     os.environ["KERAS_BACKEND"] = "torch"
-    if device == "cpu":
-        os.environ["KERAS_TORCH_DEVICE"] = "cpu"
+    runtime.use_keras_torch_device(device)
 
 
 class KerasRunner:

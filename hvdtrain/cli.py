@@ -46,11 +46,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     if cfg.framework == "keras":  # before Keras is imported: it reads the backend once
         os.environ["KERAS_BACKEND"] = cfg.keras_backend
-        # and its PyTorch backend its device (a visible GPU, unless told otherwise); elastic
-        # Keras runs on the CPU (hvdtrain.keras.elastic)
-        device = "cpu" if cfg.elastic else cfg.device
-        if cfg.keras_backend == "torch" and device != "auto":
-            os.environ["KERAS_TORCH_DEVICE"] = device
+        if cfg.keras_backend == "torch":  # elastic Keras runs on the CPU (keras/elastic.py)
+            runtime.use_keras_torch_device("cpu" if cfg.elastic else cfg.device)
     if cfg.elastic and cfg.framework == "torch":
         from hvdtrain.torch.elastic import fit_elastic as fit
     elif cfg.elastic:

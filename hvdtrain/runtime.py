@@ -65,6 +65,15 @@ def launcher_local_size() -> int:
     return 1
 
 
+def use_keras_torch_device(device: str, env: dict[str, str] | None = None) -> None:
+    """Tell Keras's PyTorch backend to compute on ``device`` (``"cpu"`` or ``"cuda"``; ``"auto"``
+    leaves its own choice): it reads ``KERAS_TORCH_DEVICE`` once, when ``keras`` is imported,
+    and otherwise takes a visible GPU, so call this before Keras is imported.
+    :func:`hvdtrain.keras.init` refuses a Keras that computes elsewhere than the rank."""
+    if device != "auto":
+        (os.environ if env is None else env)["KERAS_TORCH_DEVICE"] = device
+
+
 def launched_elastic(env: Mapping[str, str] | None = None) -> bool:
     """Whether Horovod Elastic launched this process (``horovodrun`` sets ``HOROVOD_ELASTIC=1``
     for its workers): the job's size may change at a reset."""

@@ -201,7 +201,19 @@ def lr_at(step: int, *, base_lr: float, rule: str, size: int, backward_passes_pe
         ValueError: negative ``step`` or ``warmup_epochs``, ``steps_per_epoch`` < 1, or the
             errors of :func:`scale_factor`.
     """
-    factor = scale_factor(rule, size, backward_passes_per_step)
+    return scheduled_lr(step, base_lr, scale_factor(rule, size, backward_passes_per_step),
+                        warmup_epochs, steps_per_epoch, decay)
+
+
+def scheduled_lr(step: int, base_lr: float, factor: float, warmup_epochs: float = 0.0,
+                 steps_per_epoch: int = 1, decay: Decay | None = None) -> float:
+    """``base_lr x factor x warmup multiplier x decay multiplier`` at optimizer step ``step``:
+    :func:`lr_at` for a scaling ``factor`` already known (:func:`scale_factor`; a Keras
+    :class:`~hvdtrain.keras.scheduler.WarmupSchedule` keeps it in a variable).
+
+    Raises:
+        ValueError: the errors of :func:`warmup_multiplier`.
+    """
     return (base_lr * factor * warmup_multiplier(step, factor, warmup_epochs, steps_per_epoch)
             * (decay.multiplier(step) if decay is not None else 1.0))
 

@@ -136,8 +136,9 @@ def init(seed: int = 42, threads: int | None = None, device: str = "auto") -> ru
 
 
 def _check_keras_torch_device(where: str) -> None:
-    """Keras's PyTorch backend chooses its device when ``keras`` is imported (a visible GPU, or
-    ``KERAS_TORCH_DEVICE``), before :func:`init` runs: a rank meant for ``where`` whose Keras
+    """Keras's PyTorch backend chooses its device when ``keras`` is imported
+    (``KERAS_TORCH_DEVICE``, else a visible GPU; :func:`hvdtrain.runtime.use_keras_torch_device`),
+    before :func:`init` runs: a rank meant for ``where`` whose Keras
     puts tensors elsewhere would compute there (on a GPU host, a CPU rank on the GPU).
 
     Raises:

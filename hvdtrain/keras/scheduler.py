@@ -130,7 +130,7 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
     def _eager_rate(self, iterations) -> float:
         """The rate on Keras's PyTorch backend on the CPU, which runs the step eagerly (Python
         each step): the step and the three variables read as numbers, then the rule in Python
-        (:meth:`rate`); on the CPU a read is a memory load, no synchronisation. The decay comes
+        (:func:`hvdtrain.schedule.scheduled_lr`); on the CPU a read is a memory load, no synchronisation. The decay comes
         from :attr:`decay`, which :meth:`set_decay` keeps with its variables (assigning
         ``decay_numbers`` directly would not reach this path). The tensor rule was 14 eager ops
         a step without a decay and 30 with one.
@@ -145,14 +145,8 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
         base, warmup_steps, factor = (v.value.item() for v in
                                       (self.base_rate, self.warmup_steps, self.scale))
         count = int(getattr(iterations, "value", iterations))
-        return self.rate(count // self.backward_passes_per_step, base, warmup_steps, factor)
-
-    def rate(self, step: int, base: float, warmup_steps: float, factor: float) -> float:
-        """``base x factor x warmup multiplier x decay multiplier`` at optimizer step ``step``
-        (:func:`hvdtrain.schedule.warmup_multiplier`, Goyal et al. 2017; :attr:`decay`)."""
-        warm = schedule.warmup_multiplier(step, factor, warmup_steps, 1) if warmup_steps else 1.0
-        decay = self.decay.multiplier(step) if self.decay is not None else 1.0
-        return float(base) * factor * warm * decay
+        return schedule.scheduled_lr(count // self.backward_passes_per_step, base, factor,
+                                     warmup_steps, 1, self.decay)
 
     @property
     def base(self):
@@ -166,7 +160,8 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
         base = self.base
         if callable(base):
             base = float(ops.convert_to_numpy(base(float(step))))
-        return self.rate(step, base, float(ops.convert_to_numpy(self.warmup_steps)), self.factor)
+        return schedule.scheduled_lr(step, float(base), self.factor,
+                                     float(ops.convert_to_numpy(self.warmup_steps)), 1, self.decay)
 
     def set_rate(self, rate: float, iterations) -> None:
         """Make the rate of the current step ``rate``, keeping the warmup's shape: the base rate
