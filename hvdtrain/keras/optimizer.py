@@ -9,7 +9,7 @@ import numpy as np
 from keras import ops
 
 from hvdtrain.keras import collectives as B
-from hvdtrain.keras.scheduler import WarmupSchedule
+from hvdtrain.keras.scheduler import WarmupSchedule, torch_eager
 
 
 def _set_learning_rate(optimizer, value) -> None:
@@ -64,6 +64,20 @@ def inner(optimizer):
     """The optimizer that owns the learning rate and the slots (a ``LossScaleOptimizer``'s
     ``inner_optimizer``, else the optimizer itself)."""
     return getattr(optimizer, "inner_optimizer", optimizer)
+
+
+def own_rank_vector(rank: int, size: int, name: str):
+    """A non-trainable float32 variable ``(size,)``: 1 at ``rank``, 0 elsewhere (a rank's flag
+    in a vector that an all-reduce sums over ranks)."""
+    return keras.Variable(np.eye(size, dtype=np.float32)[rank], trainable=False, name=name)
+
+
+def branch(pred, true_fn, false_fn):
+    """``true_fn()`` if ``pred`` else ``false_fn()``: ``ops.cond`` for a tensor (traced on
+    TensorFlow), a Python ``if`` for a bool already read (:func:`torch_eager`)."""
+    if isinstance(pred, bool):
+        return true_fn() if pred else false_fn()
+    return ops.cond(pred, true_fn, false_fn)
 
 
 class NonFiniteGuard:
@@ -153,6 +167,10 @@ class GradientAllreduce:
         self._clip, self._decay = cls._clip_gradients, cls._apply_weight_decay
         self._update = cls._backend_update_step
         self._finite = None
+        # This rank's one-hot flag vector, made once: ops.one_hot(rank, size) in the step would
+        # make a tensor from the Python rank every step (on a GPU, a host synchronisation).
+        self._own = (own_rank_vector(rank, size, "hvdtrain_own_rank")
+                     if guard is not None and guard.size is not None else None)
         optimizer._clip_gradients = self.clip_gradients
         optimizer._apply_weight_decay = self.apply_weight_decay
         optimizer._backend_update_step = self.backend_update_step
@@ -166,8 +184,8 @@ class GradientAllreduce:
         if self.guard is not None:
             local_ok = ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in dense]))
             bad = ops.cast(ops.logical_not(local_ok), dense[0].dtype)
-            flags = (ops.reshape(bad, (1,)) if self.guard.size is None else
-                     ops.one_hot(self.rank, self.size, dtype=dense[0].dtype) * bad)
+            flags = (ops.reshape(bad, (1,)) if self._own is None else
+                     ops.cast(self._own, dense[0].dtype) * bad)
             extra = [B.native(flags)]
         if self.preempt is not None:
             extra.append(B.native(ops.cast(self.preempt.requested, dense[0].dtype)))
@@ -181,6 +199,8 @@ class GradientAllreduce:
             self._flags = ops.cast(reduced[-1], "float32") * float(self.size)
             reduced = reduced[:-1]
             self._finite = ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in reduced]))
+            if torch_eager():  # read once here; the decay's and the update's branch reuse it
+                self._finite = bool(self._finite)  # (each ops.cond would read it again)
         it = iter(reduced)
         grads = [None if g is None else next(it) for g in grads]
         return self._clip(self.opt, grads)
@@ -188,7 +208,7 @@ class GradientAllreduce:
     def apply_weight_decay(self, variables):
         if self._finite is None:
             return self._decay(self.opt, variables)
-        return ops.cond(self._finite, lambda: self._decay(self.opt, variables), lambda: None)
+        return branch(self._finite, lambda: self._decay(self.opt, variables), lambda: None)
 
     def backend_update_step(self, grads, trainable_variables, learning_rate):
         if self._finite is None:
@@ -203,9 +223,9 @@ class GradientAllreduce:
             # by 0, which leaves NaN as NaN: set them to 0 here, so the next group starts clean.
             zero_accumulators(self.opt)
 
-        return ops.cond(finite,
-                        lambda: self._update(self.opt, grads, trainable_variables, learning_rate),
-                        skip)
+        return branch(finite,
+                      lambda: self._update(self.opt, grads, trainable_variables, learning_rate),
+                      skip)
 
 
 class LossScaleHooks:
@@ -234,6 +254,7 @@ class LossScaleHooks:
                                         name="hvdtrain_overflows")
         self.loss_finite = keras.Variable(1.0, dtype="float32", trainable=False,
                                           name="hvdtrain_loss_finite")
+        self._own = own_rank_vector(rank, size, "hvdtrain_loss_scale_own_rank")
         lso.scale_loss = self.scale_loss
         lso.check_finite = self.check_finite
 
@@ -243,12 +264,14 @@ class LossScaleHooks:
 
     def check_finite(self, grads):
         local = ops.cast(self._check(self.lso, grads), "float32")
-        bad_loss = ops.one_hot(self.rank, self.size, dtype="float32") * (1.0 - self.loss_finite)
+        # Python numbers only in native arithmetic and comparisons (no tensor made from them
+        # each step; on a GPU that is a host synchronisation).
+        bad_loss = B.native(self._own) * (1.0 - B.native(self.loss_finite))
         flags = ops.concatenate([ops.reshape(local, (1,)), bad_loss])
         mean = B.grouped_average([B.native(flags)], name="hvdtrain.finite")[0]
-        finite = ops.greater(mean[0] * float(self.size), float(self.size) - 0.5)  # all ranks
+        finite = mean[0] * float(self.size) > float(self.size) - 0.5  # on all ranks
         bad_ranks = ops.cast(mean[1:], "float32") * float(self.size)
-        failed = ops.greater(ops.sum(bad_ranks), 0.5)
+        failed = ops.sum(bad_ranks) > 0.5
 
         def not_finite():
             if self.guard is not None:

@@ -17,18 +17,23 @@ from hvdtrain import schedule
 NO_BOUNDARY = 3.0e38  # a padded boundary no step reaches
 
 
-def _torch_eager_on_cpu(variable) -> bool:
-    """Keras runs on its PyTorch backend, ``variable`` lives on the CPU and the step is not
-    being compiled (``jit_compile``: torch.compile traces it, and a Python number read from a
-    tensor would break the graph; ``torch.compiler.is_compiling`` exists from torch 2.3, and
-    before it the check is skipped: such a read only costs a graph break). On a GPU the tensor
-    rule stays: there each read of a number is a host synchronisation, where its ops are
-    asynchronous kernel launches (Keras's Adam keeps the rate on the device)."""
-    if keras.backend.backend() != "torch" or variable.value.device.type != "cpu":
+def torch_eager() -> bool:
+    """Keras runs on its PyTorch backend and the step is not being compiled: the step's Python
+    runs every step, op by op (``jit_compile``: torch.compile traces it, and a Python number or
+    bool read from a tensor would break the graph; ``torch.compiler.is_compiling`` exists from
+    torch 2.3, and before it the check is skipped: such a read only costs a graph break)."""
+    if keras.backend.backend() != "torch":
         return False
     import torch
     compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
     return not (compiling and compiling())
+
+
+def _torch_eager_on_cpu(variable) -> bool:
+    """:func:`torch_eager` and ``variable`` lives on the CPU. On a GPU the tensor rule stays:
+    there each read of a number is a host synchronisation, where its ops are asynchronous kernel
+    launches (Keras's Adam keeps the rate on the device)."""
+    return torch_eager() and variable.value.device.type == "cpu"
 
 
 @keras.saving.register_keras_serializable(package="hvdtrain")
@@ -99,16 +104,20 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
         tensor)."""
         numbers = ops.convert_to_tensor(self.decay_numbers)
         kind, total, warm, floor, gamma = (numbers[i] for i in range(5))
-        span = ops.maximum(total - 1.0 - warm, 1.0)
-        p = ops.clip((step - warm) / span, 0.0, 1.0)
+        # Constants as tensors made from tensors (ones_like), never from Python numbers: on
+        # Keras's PyTorch backend ops.maximum(x, 1.0) makes a tensor of 1.0 on the device each
+        # call, and on a GPU that copy waits for every queued kernel (torch.as_tensor of a
+        # number: a host synchronisation). Arithmetic with a number (x - 1.0) makes no tensor.
+        one = ops.ones_like(step)
+        span = ops.maximum(total - 1.0 - warm, one)
+        p = ops.minimum(ops.maximum((step - warm) / span, one - one), one)
         cosine = floor + (1.0 - floor) * 0.5 * (1.0 + ops.cos(np.float32(np.pi) * p))
-        cosine = ops.where(step < warm, ops.ones_like(cosine), cosine)
+        cosine = ops.where(step < warm, one, cosine)
         passed = ops.sum(ops.cast(ops.greater_equal(step, ops.convert_to_tensor(
             self.decay_boundaries)), "float32"))
         stepped = ops.power(gamma, passed)
-        one = ops.ones_like(cosine)
-        return ops.where(ops.equal(kind, 1.0), cosine,
-                         ops.where(ops.equal(kind, 2.0), stepped, one))
+        return ops.where(ops.equal(kind, one), cosine,
+                         ops.where(ops.equal(kind, one + one), stepped, one))
 
     @property
     def factor(self) -> float:
@@ -123,7 +132,7 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
                 else ops.convert_to_tensor(self.base_rate))
         w = ops.convert_to_tensor(self.warmup_steps)
         f = ops.convert_to_tensor(self.scale)
-        ramp = (1.0 + (f - 1.0) * step / ops.maximum(w, 1e-12)) / f
+        ramp = (1.0 + (f - 1.0) * step / ops.maximum(w, ops.ones_like(w) * 1e-12)) / f
         multiplier = ops.where(step < w, ramp, ops.ones_like(ramp))
         return ops.cast(base, "float32") * f * multiplier * self._decay_multiplier(step)
 

@@ -65,16 +65,20 @@ class TrainLoss:
                                   ops.equal(ops.floor_divide(self.calls, self.k), self.fault[1]))
             # A factor, not where(hit, loss * nan, loss): that one's gradient is NaN always.
             loss = loss * ops.where(hit, float("nan"), 1.0)
+        # No tensor made from a Python number (the batch size, 0.0, 1): on Keras's PyTorch
+        # backend each would be a copy to the device every micro-batch, on a GPU a host
+        # synchronisation. Zeros and counts come from tensors; "+ 1" is native arithmetic.
         value = ops.cast(ops.stop_gradient(loss), "float64")
         finite = ops.isfinite(value)
-        n = ops.cast(ops.shape(y_true)[0], "float64")
-        self.loss_sum.assign(self.loss_sum + ops.where(finite, value * n, 0.0))
-        self.samples.assign(self.samples + ops.where(finite, n, 0.0))
+        labels = ops.cast(ops.reshape(y_true, (-1,)), "int64")
+        n = ops.sum(ops.ones_like(labels, dtype="float64"))
+        zero = ops.zeros_like(value)
+        self.loss_sum.assign(self.loss_sum + ops.where(finite, value * n, zero))
+        self.samples.assign(self.samples + ops.where(finite, n, zero))
         hits = ops.sum(ops.cast(ops.equal(ops.cast(ops.argmax(y_pred, axis=-1), "int64"),
-                                          ops.cast(ops.reshape(y_true, (-1,)), "int64")),
-                                "float64"))
-        self.correct.assign(self.correct + ops.where(finite, hits, 0.0))
-        self.calls.assign(self.calls + 1)
+                                          labels), "float64"))
+        self.correct.assign(self.correct + ops.where(finite, hits, zero))
+        self.calls.assign(ops.convert_to_tensor(self.calls) + 1)
         return loss
 
     def reset(self, loss_sum: float = 0.0, correct: float = 0.0, samples: float = 0.0) -> None:

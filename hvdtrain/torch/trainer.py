@@ -209,7 +209,6 @@ class _Stepper:
         self.fault, self.slow = cfg.fault(), cfg.slow_fault()
         self.adasum = cfg.op == "adasum"
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.device = torch.device(info.device)
         self.step, self.step_lr = 0, 0.0
 
     def optimizer_step(self, sums: _EpochSums, epoch: int) -> str | None:
@@ -222,8 +221,11 @@ class _Stepper:
         optimizer, scaler, hooks = self.optimizer, self.scaler, self.hooks
         runtime.slow_step(self.slow, self.step)
         # The ranks' signal flags ride along with the step's gradients: submitted now, read
-        # after the step (no extra wait; hvdtrain.run.preempt).
-        stop = hvd.allreduce_async(torch.tensor(self.run.signals.flags(), device=self.device),
+        # after the step (no extra wait; hvdtrain.run.preempt). A CPU tensor on every device:
+        # on a GPU, making it there (torch.tensor(..., device=cuda)) and reading it back
+        # would be two host synchronisations a step; Horovod all-reduces CPU tensors with
+        # MPI or Gloo beside the GPU's NCCL.
+        stop = hvd.allreduce_async(torch.tensor(self.run.signals.flags(), dtype=torch.float32),
                                    op=hvd.Sum, name="hvdtrain.preempt")
         if self.adasum:
             optimizer.step()  # Adasum combines the ranks' updates inside step()

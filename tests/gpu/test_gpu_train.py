@@ -146,3 +146,25 @@ def test_cuda_checkpoint_resumes_on_the_cpu(tmp_path, gpu_visible):
     assert m["final_test_accuracy"] >= 0.93  # CPU, 4 uninterrupted epochs: 0.953
     after = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert after["epoch"] == 4 and {t.device.type for t in after["model"].values()} == {"cpu"}
+
+
+def test_keras_torch_step_on_cuda_synchronises_the_host_no_more_than_plain_keras(tmp_path):
+    """The synchronisations PyTorch itself reports (torch.cuda.set_sync_debug_mode) in a Keras
+    step on the GPU: distribute's step makes as many as plain Keras's (the schedule's constants
+    come from tensors), hvdtrain train's step one more (the non-finite guard's decision, read
+    once), and its loss as many as Keras's (tests/unit/keras_step_syncs.py)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    probe = Path(__file__).resolve().parents[1] / "unit" / "keras_step_syncs.py"
+    out = tmp_path / "counts.json"
+    with environ(KERAS_BACKEND="torch"):
+        subprocess.run([sys.executable, str(probe), str(out), "--cuda"], check=True,
+                       timeout=600)
+    counts = json.loads(out.read_text())
+    plain = counts["plain"]
+    assert plain["cuda"] > 0, counts  # the count works: Keras's own step synchronises
+    assert counts["distribute"] == plain, counts
+    assert counts["train"]["cuda"] == plain["cuda"] + 1, counts
+    assert counts["train loss"] == counts["keras loss"], counts
