@@ -9,7 +9,8 @@ other every step, the adapter).
 
 Each variant is a real launch of ``benchmarks/synthetic.py`` the way a user starts it (plain
 ``horovodrun -np 2``, no tuning flags, Open MPI's yield setting unset: whatever hvdtrain's
-``init()`` chooses is what is measured). Variants run interleaved, ``--repeats`` rounds; the
+``init()`` chooses is what is measured). Variants run interleaved, ``--repeats`` rounds, their
+order turned by one each round (each goes first once in as many rounds as there are); the
 table gives the median and the min-max of the total samples/s (a ``gpt`` sample is one sequence
 of 64 tokens), and the ratios of medians.
 
@@ -174,8 +175,12 @@ def main(argv=None) -> dict:
     samples = {g: {name: [] for name in runs} for g, runs in groups.items()}
     for r in range(args.repeats):  # interleaved: a drift in machine load hits every variant
         for g, runs in groups.items():
-            for name, measure in runs.items():
-                samples[g][name].append(measure())
+            # The order turns by one each round (each variant goes first once in as many
+            # rounds as there are variants): no variant always runs first, or always right
+            # after a given other, on a machine just left warm or cold by the run before.
+            names = list(runs)
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                samples[g][name].append(runs[name]())
             print(f"round {r + 1}/{args.repeats} {g[0]} {g[1]}: " + ", ".join(
                 f"{n} {v[-1]:.0f}" for n, v in samples[g].items()), flush=True)
     results = {f"{path}/{model}": summarise(samples[(path, model)]) for path, model in groups}
