@@ -176,10 +176,11 @@ def main(argv=None) -> dict:
     for r in range(args.repeats):  # interleaved: a drift in machine load hits every variant
         for g, runs in groups.items():
             # The order turns by one each round (each variant goes first once in as many
-            # rounds as there are variants): no variant always runs first, or always right
-            # after a given other, on a machine just left warm or cold by the run before.
+            # rounds as there are variants): no variant always runs first, on a machine just
+            # left idle (the next path or model's set-up) by the run before.
             names = list(runs)
-            for name in names[r % len(names):] + names[:r % len(names)]:
+            turn = r % len(names) if names else 0
+            for name in names[turn:] + names[:turn]:
                 samples[g][name].append(runs[name]())
             print(f"round {r + 1}/{args.repeats} {g[0]} {g[1]}: " + ", ".join(
                 f"{n} {v[-1]:.0f}" for n, v in samples[g].items()), flush=True)

@@ -69,7 +69,9 @@ def inner(optimizer):
 def own_rank_vector(rank: int, size: int, name: str):
     """A non-trainable float32 variable ``(size,)``: 1 at ``rank``, 0 elsewhere (a rank's flag
     in a vector that an all-reduce sums over ranks)."""
-    return keras.Variable(np.eye(size, dtype=np.float32)[rank], trainable=False, name=name)
+    flags = np.zeros(size, np.float32)
+    flags[rank] = 1.0
+    return keras.Variable(flags, dtype="float32", trainable=False, name=name)
 
 
 def branch(pred, true_fn, false_fn):
@@ -272,15 +274,17 @@ class LossScaleHooks:
         finite = mean[0] * float(self.size) > float(self.size) - 0.5  # on all ranks
         bad_ranks = ops.cast(mean[1:], "float32") * float(self.size)
         failed = ops.sum(bad_ranks) > 0.5
+        if torch_eager():  # read once: this branch and the LossScaleOptimizer's reuse it
+            finite = bool(finite)
 
         def not_finite():
             if self.guard is not None:
-                ops.cond(failed, lambda: self.guard.record(bad_ranks, self.lso.iterations),
-                         lambda: None)
+                branch(failed, lambda: self.guard.record(bad_ranks, self.lso.iterations),
+                       lambda: None)
             self.overflows.assign(self.overflows + ops.cast(ops.logical_not(failed), "int64"))
 
-        ops.cond(finite, lambda: None, not_finite)
-        return finite
+        branch(finite, lambda: None, not_finite)
+        return finite  # a bool on torch eager: Keras's LossScaleOptimizer branches on it alike
 
 
 def micro_batch_count(optimizer) -> int:

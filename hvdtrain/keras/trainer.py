@@ -65,13 +65,14 @@ class TrainLoss:
                                   ops.equal(ops.floor_divide(self.calls, self.k), self.fault[1]))
             # A factor, not where(hit, loss * nan, loss): that one's gradient is NaN always.
             loss = loss * ops.where(hit, float("nan"), 1.0)
-        # No tensor made from a Python number (the batch size, 0.0, 1): on Keras's PyTorch
-        # backend each would be a copy to the device every micro-batch, on a GPU a host
+        # Below, no tensor made from a Python number (the batch size, 0.0, 1): on Keras's
+        # PyTorch backend each would be a copy to the device every micro-batch, on a GPU a host
         # synchronisation. Zeros and counts come from tensors; "+ 1" is native arithmetic.
+        # (The fault above, on only with --fault-nan-at, still makes its numbers into tensors.)
         value = ops.cast(ops.stop_gradient(loss), "float64")
         finite = ops.isfinite(value)
         labels = ops.cast(ops.reshape(y_true, (-1,)), "int64")
-        n = ops.sum(ops.ones_like(labels, dtype="float64"))
+        n = ops.sum(ops.ones_like(y_pred[:, 0], dtype="float64"))  # the batch size
         zero = ops.zeros_like(value)
         self.loss_sum.assign(self.loss_sum + ops.where(finite, value * n, zero))
         self.samples.assign(self.samples + ops.where(finite, n, zero))

@@ -166,5 +166,6 @@ def test_keras_torch_step_on_cuda_synchronises_the_host_no_more_than_plain_keras
     plain = counts["plain"]
     assert plain["cuda"] > 0, counts  # the count works: Keras's own step synchronises
     assert counts["distribute"] == plain, counts
+    assert counts["distribute, loss scale"] == counts["plain, loss scale"], counts
     assert counts["train"]["cuda"] == plain["cuda"] + 1, counts
     assert counts["train loss"] == counts["keras loss"], counts

@@ -16,7 +16,9 @@ imported)::
 
 Writes ``{variant: {"lift_fresh": per step, "_local_scalar_dense": per step}}`` for the plain
 Keras step and ``distribute``'s (alone, and with the non-finite guard and the preemption flags
-that ``hvdtrain train`` installs), and per call for ``hvdtrain train``'s loss against Keras's.
+that ``hvdtrain train`` installs), both again under a ``LossScaleOptimizer`` (fp16's; its
+overflow check is all-reduced), and per call for ``hvdtrain train``'s loss against Keras's.
+At one rank (no all-reduce: at np > 1 Horovod's all-reduce itself waits for the GPU).
 """
 from __future__ import annotations
 
@@ -95,7 +97,9 @@ def model_and_data():
 def steps(variant: str) -> dict:
     model, x, y = model_and_data()
     optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
-    if variant != "plain":
+    if variant.endswith("loss scale"):  # fp16's optimizer (its float32 step here)
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    if not variant.startswith("plain"):
         model, optimizer = hk.distribute(
             model, optimizer, on_nonfinite="skip" if variant == "train" else None)
         schedule_of(optimizer).set_decay(schedule.decay("cosine", epochs=2, steps_per_epoch=50,
@@ -134,7 +138,8 @@ def main(path: str) -> None:
     else:
         scheduler._torch_eager_on_cpu = lambda variable: False  # the schedule's GPU path
     hk.init(seed=0)
-    out = {variant: steps(variant) for variant in ("plain", "distribute", "train")}
+    out = {variant: steps(variant) for variant in (
+        "plain", "distribute", "train", "plain, loss scale", "distribute, loss scale")}
     out.update(loss_calls())
     with open(path, "w") as f:
         json.dump(out, f)
