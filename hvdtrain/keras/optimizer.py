@@ -74,14 +74,6 @@ def own_rank_vector(rank: int, size: int, name: str):
     return keras.Variable(flags, dtype="float32", trainable=False, name=name)
 
 
-def branch(pred, true_fn, false_fn):
-    """``true_fn()`` if ``pred`` else ``false_fn()``: ``ops.cond`` for a tensor (traced on
-    TensorFlow), a Python ``if`` for a bool already read (:func:`torch_eager`)."""
-    if isinstance(pred, bool):
-        return true_fn() if pred else false_fn()
-    return ops.cond(pred, true_fn, false_fn)
-
-
 class NonFiniteGuard:
     """Skips, on every rank together, an optimizer step whose gradients were NaN/Inf on any rank.
 
@@ -201,8 +193,10 @@ class GradientAllreduce:
             self._flags = ops.cast(reduced[-1], "float32") * float(self.size)
             reduced = reduced[:-1]
             self._finite = ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in reduced]))
-            if torch_eager():  # read once here; the decay's and the update's branch reuse it
-                self._finite = bool(self._finite)  # (each ops.cond would read it again)
+            # Read once here on torch eager, where ops.cond is a Python `if` (which takes the
+            # bool as it is): the decay's and the update's cond would each read the tensor.
+            if torch_eager():
+                self._finite = bool(self._finite)
         it = iter(reduced)
         grads = [None if g is None else next(it) for g in grads]
         return self._clip(self.opt, grads)
@@ -210,7 +204,7 @@ class GradientAllreduce:
     def apply_weight_decay(self, variables):
         if self._finite is None:
             return self._decay(self.opt, variables)
-        return branch(self._finite, lambda: self._decay(self.opt, variables), lambda: None)
+        return ops.cond(self._finite, lambda: self._decay(self.opt, variables), lambda: None)
 
     def backend_update_step(self, grads, trainable_variables, learning_rate):
         if self._finite is None:
@@ -225,9 +219,9 @@ class GradientAllreduce:
             # by 0, which leaves NaN as NaN: set them to 0 here, so the next group starts clean.
             zero_accumulators(self.opt)
 
-        return branch(finite,
-                      lambda: self._update(self.opt, grads, trainable_variables, learning_rate),
-                      skip)
+        return ops.cond(finite,
+                        lambda: self._update(self.opt, grads, trainable_variables, learning_rate),
+                        skip)
 
 
 class LossScaleHooks:
@@ -279,11 +273,11 @@ class LossScaleHooks:
 
         def not_finite():
             if self.guard is not None:
-                branch(failed, lambda: self.guard.record(bad_ranks, self.lso.iterations),
-                       lambda: None)
+                ops.cond(failed, lambda: self.guard.record(bad_ranks, self.lso.iterations),
+                         lambda: None)
             self.overflows.assign(self.overflows + ops.cast(ops.logical_not(failed), "int64"))
 
-        branch(finite, lambda: None, not_finite)
+        ops.cond(finite, lambda: None, not_finite)
         return finite  # a bool on torch eager: Keras's LossScaleOptimizer branches on it alike
 
 
