@@ -13,6 +13,18 @@ setup(
     description="Data-parallel training for PyTorch and Keras 3 on Horovod (MPI/Gloo ring all-reduce)",
     long_description=(Path(__file__).parent / "README.md").read_text(),
     long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    classifiers=[
+        "Development Status :: 4 - Beta",
+        "Intended Audience :: Science/Research",
+        "Intended Audience :: Developers",
+        "Operating System :: POSIX :: Linux",
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "Topic :: System :: Distributed Computing",
+    ],
     python_requires=">=3.10",
     packages=find_packages(include=["hvdtrain", "hvdtrain.*"]),
     # Horovod itself is built by scripts/setup.sh (it needs a C++17 patch for PyTorch >= 2.1).
