@@ -1,4 +1,5 @@
-"""The ``hvdtrain`` command: ``train``, ``launch``, ``doctor`` and ``report``.
+"""The ``hvdtrain`` command: ``train``, ``launch``, ``doctor`` and ``report``
+(:func:`build_parser`; ``hvdtrain --help`` shows :data:`DESCRIPTION`).
 
 Launch training the way Horovod users do::
 
@@ -18,6 +19,54 @@ import sys
 
 from hvdtrain import __version__, guard, runtime
 from hvdtrain.config import ConfigError, TrainConfig, add_arguments
+
+
+# What ``hvdtrain --help`` and the sub-commands' help say (plain text: argparse prints it as is).
+DESCRIPTION = """\
+Data-parallel training with Horovod: one process (rank) per GPU or per share of the CPU
+cores, each training on its part of every batch, the gradients averaged over the ranks at
+each step. Each command has its own --help."""
+EPILOG = """\
+examples:
+  hvdtrain launch -np 2 -- hvdtrain train --framework torch --dataset mnist
+  horovodrun -np 2 -H localhost:2 hvdtrain train --framework keras --dataset digits
+  hvdtrain report runs/latest"""
+TRAIN_DESCRIPTION = """\
+Train a model with Horovod, one process per rank. Start it with a launcher: hvdtrain
+launch, horovodrun, mpirun or srun (alone, it trains as one rank). Options the command
+line leaves out take the --dataset's recipe, then the defaults shown."""
+TRAIN_EPILOG = """\
+examples:
+  hvdtrain launch -np 2 -- hvdtrain train --framework torch --dataset mnist
+  horovodrun -np 2 -H localhost:2 hvdtrain train --framework keras --keras-backend torch
+  mpirun -np 2 -bind-to none -map-by slot -x PATH hvdtrain train --precision bf16 -k 4
+  srun --mpi=pmix hvdtrain train --dataset mnist --resume auto
+
+exit status: 0 done; 1 the run diverged or --on-nonfinite stop stopped it; 2 a bad option
+(checked before Horovod starts); 75 SIGTERM or SIGUSR1 stopped it after a checkpoint."""
+LAUNCH_DESCRIPTION = """\
+Start COMMAND as -np ranks with horovodrun (default), mpirun or srun. The hosts: --hostfile,
+-H, the Slurm allocation, else this host. It prints the command line it runs before running
+it (--dry-run: prints it and stops), and what it chose and why on stderr."""
+LAUNCH_EPILOG = """\
+examples:
+  hvdtrain launch -np 2 -- hvdtrain train                     # 2 ranks on this host
+  hvdtrain launch -H node1:2,node2:2 -- hvdtrain train        # 4 ranks on two hosts
+  hvdtrain launch --hostfile hostfiles/two-hosts.txt -np 4 --check -- hvdtrain train
+  hvdtrain launch --launcher mpirun --dry-run -np 2 -- hvdtrain train
+
+what it runs, e.g. (on a host without GPUs, whose ranks share its cores):
+  $ hvdtrain launch --dry-run --hostfile hostfiles/two-hosts.txt -np 4 -- hvdtrain train
+  horovodrun -np 4 --hostfile hostfiles/two-hosts.txt '--mpi-args=--mca mpi_yield_when_idle 1' hvdtrain train"""
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions and epilogs as written (examples keep their lines); option help wrapped
+    between words, never inside an option's name (``--lr-schedule``)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        import textwrap
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -44,6 +93,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         runtime.omp_num_threads()  # a bad OMP_NUM_THREADS, named before any work
     except (ConfigError, ValueError) as exc:
         return _fail(str(exc))
+    if not cfg.elastic:  # before any framework import (seconds): a SIGTERM/SIGUSR1 from now
+        from hvdtrain.run import preempt  # on stops the run at its first step, checkpointed
+        preempt.install_early()
     if cfg.framework == "keras":  # before Keras is imported: it reads the backend once
         os.environ["KERAS_BACKEND"] = cfg.keras_backend
         if cfg.keras_backend == "torch":  # elastic Keras runs on the CPU (keras/elastic.py)
@@ -188,16 +240,33 @@ def cmd_launch(args: argparse.Namespace) -> int:
                        ssh_identity_file=launch.ssh_identity_file).run()
 
 
+def _train_usage() -> str:
+    """``hvdtrain train``'s usage line: the two choices every run makes, then the rest."""
+    from hvdtrain.config import DATASETS, FRAMEWORKS
+    return (f"%(prog)s [--framework {{{','.join(FRAMEWORKS)}}}] "
+            f"[--dataset {{{','.join(DATASETS)}}}] [OPTION ...]")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``hvdtrain`` argument parser with one sub-command per task."""
-    parser = argparse.ArgumentParser(prog="hvdtrain", description=__doc__.splitlines()[0])
+    """The ``hvdtrain`` argument parser with one sub-command per task. It imports neither
+    Horovod nor a framework (the documentation renders it with sphinx-argparse)."""
+    parser = argparse.ArgumentParser(prog="hvdtrain", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=_Formatter)
     parser.add_argument("--version", action="version", version=f"hvdtrain {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a model on a dataset (run under horovodrun/mpirun)")
+    sub = parser.add_subparsers(title="commands", dest="command", required=True,
+                                metavar="COMMAND")
+    train = sub.add_parser("train", help="train a model; run it under a launcher, one process "
+                           "per rank", description=TRAIN_DESCRIPTION, epilog=TRAIN_EPILOG,
+                           usage=_train_usage(), formatter_class=_Formatter)
     add_train_args(train)
     train.set_defaults(func=cmd_train)
     doctor = sub.add_parser("doctor", help="show what Horovod supports on this machine; with "
-                            "--hostfile, check the hosts before a multi-host job")
+                            "--hostfile, check the hosts before a multi-host job",
+                            description="Show what this machine's Horovod supports (frameworks, "
+                            "MPI, Gloo, NCCL); exit status 1 when hvdtrain cannot use it. With "
+                            "--hostfile, then check each host of a multi-host job: ssh, "
+                            "versions, a shared network interface, a small all-reduce.",
+                            formatter_class=_Formatter)
     doctor.add_argument("--hostfile", help="pre-flight the hosts of this hostfile: ssh, "
                         "versions, a shared network interface, a small all-reduce")
     doctor.add_argument("-np", "--num-proc", dest="np", type=int,
@@ -208,16 +277,26 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--timeout", type=float, default=120.0,
                         help="seconds the all-reduce may take, start included (default 120)")
     doctor.set_defaults(func=cmd_doctor)
-    launch = sub.add_parser("launch", help="validate a hostfile and run a command on its hosts")
+    launch = sub.add_parser("launch", help="start a command as N ranks with horovodrun, "
+                            "mpirun or srun (this host by default); prints the command it runs",
+                            description=LAUNCH_DESCRIPTION, epilog=LAUNCH_EPILOG,
+                            usage="%(prog)s [OPTION ...] -- COMMAND [ARG ...]",
+                            formatter_class=_Formatter)
     launch.add_argument("--hostfile", help="'host slots=N' lines (or host:N); inside a Slurm "
                         "allocation the allocation's hosts are used when this is left out")
+    launch.add_argument("-H", "--hosts", dest="hosts_spec", default=None,
+                        metavar="HOST:SLOTS,...",
+                        help="the hosts as horovodrun's -H takes them, e.g. node1:2,node2:2 "
+                             "(instead of --hostfile; default, with neither and no Slurm "
+                             "allocation: this host, localhost:NP)")
     launch.add_argument("-np", "--num-proc", dest="np", type=int,
-                        help="processes in all (default: the hostfile's slots; in a Slurm "
-                             "allocation $SLURM_NTASKS)")
+                        help="processes in all (default: the slots of --hostfile or -H; in a "
+                             "Slurm allocation $SLURM_NTASKS)")
     launch.add_argument("--launcher", choices=("horovodrun", "mpirun", "srun"),
                         default="horovodrun",
                         help="srun: Slurm's, as 'srun --mpi=pmix' (default: horovodrun)")
-    launch.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
+    launch.add_argument("--dry-run", action="store_true",
+                        help="print the command line it would run, and run nothing")
     launch.add_argument("--check", action="store_true",
                         help="run the pre-flight of 'hvdtrain doctor --hostfile' first and "
                              "launch only when it passes")
@@ -247,9 +326,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "ranks fill the cores), off when there is one (default: auto)")
     launch.add_argument("--no-tuning", dest="yield_when_idle", action="store_const", const="off",
                         help="same as --yield-when-idle off")
-    launch.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
+    launch.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                        help="the command each rank runs, after --")
     launch.set_defaults(func=cmd_launch)
-    report = sub.add_parser("report", help="compare runs: one line per run directory")
+    report = sub.add_parser("report", help="compare runs: one line per run directory",
+                            description="One line per run directory of hvdtrain train, from its "
+                            "metrics.json: framework, ranks, global batch, epochs, test "
+                            "accuracy, samples/s.", formatter_class=_Formatter)
     report.add_argument("run_dirs", nargs="+", help="output directories of hvdtrain train")
     report.add_argument("--json-out", help="also write the rows as JSON to this file")
     report.set_defaults(func=cmd_report)
@@ -259,7 +342,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``hvdtrain`` console script."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C (hvdtrain launch hands it to every rank): no traceback
+        if runtime.launcher_rank() == 0:
+            print("hvdtrain: interrupted (SIGINT)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

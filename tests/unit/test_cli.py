@@ -174,3 +174,159 @@ def test_launch_refuses_a_bad_omp_num_threads_before_starting(capsys, monkeypatc
     rc, argv, err = dry_launch(capsys, "-np", "2")
     assert rc == 2 and argv == []
     assert "hvdtrain: error: OMP_NUM_THREADS must be a whole number >= 1" in err
+
+
+# ---- what --help says (issue 38: grouped, recipe-aware, no test-only options, no RST) ---------
+import argparse  # noqa: E402
+import re  # noqa: E402
+
+TRAIN_GROUPS = ["data", "model and optimizer", "distribution", "precision", "checkpoints",
+                "output", "launch"]
+
+
+def _subparsers():
+    from hvdtrain.cli import build_parser
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return parser, sub.choices
+
+
+def _help(*argv) -> str:
+    proc = subprocess.run([sys.executable, "-m", "hvdtrain.cli", *argv, "--help"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "COLUMNS": "100"})
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_train_help_is_grouped_and_shows_choices():
+    text = _help("train")
+    options_part = text.split("\nexamples:\n")[0]  # the epilog's own headings after it
+    headings = [line[:-1] for line in options_part.splitlines()
+                if re.fullmatch(r"[a-z][a-z ]*:", line)]
+    assert headings == ["options", *TRAIN_GROUPS]
+    options = text.split("\noptions:\n", 1)[1].split("\n\n", 1)[0]
+    assert re.findall(r"^  (-\S+)", options, re.M) == ["-h,"]  # every option in a group
+    for shown in ("--framework {torch,keras}", "--dataset {digits,mnist,synthetic}",
+                  "--precision {fp32,bf16,fp16}", "--keras-backend {tensorflow,torch}",
+                  "--lr-schedule {constant,cosine,step}", "--device {auto,cpu,cuda}"):
+        assert shown in text
+    assert "FRAMEWORK" not in text and "DATASET" not in text
+    assert text.startswith("usage: hvdtrain train [--framework {torch,keras}] "
+                           "[--dataset {digits,mnist,synthetic}] [OPTION ...]\n")
+
+
+def test_train_help_shows_each_recipes_values_from_recipes_py():
+    from hvdtrain.config import TrainConfig, flag_of
+    from hvdtrain.datasets.recipes import RECIPES
+    _, commands = _subparsers()
+    actions = {a.dest: a for a in commands["train"]._actions}
+    assert any(RECIPES.values())
+    for dataset, recipe in RECIPES.items():
+        for name, value in recipe.items():
+            assert f"--dataset {dataset}: {value}" in actions[name].help, (dataset, name)
+            flag = flag_of(TrainConfig.__dataclass_fields__[name])
+            assert f"{flag} {value}" in actions["dataset"].help  # the recipe, on --dataset
+    # The defaults shown are TrainConfig's own, not hand-typed: --epochs 15, mnist's 4.
+    epochs = TrainConfig.__dataclass_fields__["epochs"].default
+    assert f"(default: {epochs}; --dataset mnist: {RECIPES['mnist']['epochs']})" in \
+        " ".join(_help("train").split())
+
+
+def test_fault_drills_are_hidden_from_help_but_accepted(tmp_path):
+    text = _help("train")
+    assert "--fault-nan-at" not in text and "--fault-slow-from" not in text
+    assert "fault drill" not in text
+    parser, _ = _subparsers()
+    args = parser.parse_args(["train", "--fault-nan-at", "1:5", "--fault-slow-from", "3:0.5"])
+    assert (args.fault_nan_at, args.fault_slow_from) == ("1:5", "3:0.5")
+    from hvdtrain.config import TrainConfig
+    fields = {k: v for k, v in vars(args).items() if k not in ("command", "func")}
+    cfg = TrainConfig.from_options({**fields, "output_dir": str(tmp_path)}).validate()
+    assert cfg.fault() == (1, 5) and cfg.slow_fault() == (3, 0.5)
+    result, stderr = train(tmp_path, "--fault-nan-at", "one")
+    assert result == {"rc": 2, "loaded": []}
+    assert "hvdtrain: error: --fault-nan-at must be RANK:STEP, e.g. 1:5; got 'one'" in stderr
+
+
+@pytest.mark.parametrize("command", [(), ("train",), ("launch",), ("doctor",), ("report",)])
+def test_no_empty_defaults_and_no_markup_in_help(command):
+    text = _help(*command)
+    assert "(default: '')" not in text and "default: ''" not in text
+    assert "``" not in text and ":func:" not in text and ":class:" not in text
+    assert "%(" not in text  # argparse's placeholders all filled in
+
+
+def _sample(action) -> list[str]:
+    """A value that ``action`` accepts, as typed on the command line."""
+    if action.nargs == 0:
+        return []
+    if action.choices:
+        return [list(action.choices)[0]]
+    braces = re.fullmatch(r"\{([^}]*)\}", action.metavar or "")
+    if braces:  # choices shown as the metavar, checked by TrainConfig.validate
+        return [braces.group(1).split(",")[0]]
+    if action.type is int:
+        return ["3"]
+    if action.type is float:
+        return ["0.5"]
+    return [{"hosts_spec": "localhost:2", "mca": "btl=self"}.get(action.dest, "x")]
+
+
+@pytest.mark.parametrize("command", ["train", "launch", "doctor", "report"])
+def test_every_option_in_help_parses(command, tmp_path):
+    """Each option string that --help shows is an option of the parser, and parses with a
+    value of its kind; for train, the choices shown also pass TrainConfig.validate."""
+    from hvdtrain.config import TrainConfig
+    parser, commands = _subparsers()
+    sub = commands[command]
+    text = _help(command)
+    shown = set()
+    for line in text.split("\n\n", 2)[2].splitlines():  # past usage and description
+        m = re.match(r"  (-[^-\s].*?|--\w.*?)(?:  |$)", line)
+        if m:
+            shown |= {s.split()[0] for s in m.group(1).split(", ")}
+    assert shown, text
+    visible = {s for a in sub._actions if a.help != argparse.SUPPRESS for s in a.option_strings}
+    assert shown == visible
+    tail = {"launch": ["--", "true"], "report": ["run"]}.get(command, [])
+    for flag in sorted(shown - {"-h", "--help"}):
+        action = sub._option_string_actions[flag]
+        args = parser.parse_args([command, flag, *_sample(action), *tail])
+        assert action.dest in vars(args), flag
+        if command == "train":
+            given = {k: v for k, v in vars(args).items() if k not in ("command", "func")}
+            cfg = TrainConfig.from_options({**given, "output_dir": str(tmp_path)})
+            if re.fullmatch(r"\{.*\}", action.metavar or "") and action.dest != "keras_backend":
+                cfg.validate()
+
+
+def test_launch_takes_horovodruns_hosts_option():
+    parser, _ = _subparsers()
+    assert parser.parse_args(["launch", "--", "true"]).hosts_spec is None
+    for flag in ("-H", "--hosts"):
+        args = parser.parse_args(["launch", flag, "node1:2,node2:2", "-np", "4", "--", "true"])
+        assert args.hosts_spec == "node1:2,node2:2" and args.np == 4
+
+
+def test_launch_help_shows_the_command_it_runs(capsys, launch_env):
+    """The example in `hvdtrain launch --help` is what --dry-run prints for it on a host
+    without GPUs."""
+    import shlex
+    text = _help("launch")
+    assert "--dry-run" in text and "prints it and stops" in " ".join(text.split())
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("  $ hvdtrain launch"))
+    typed, printed = shlex.split(lines[at][4:]), lines[at + 1].strip()
+    launch_env(0)
+    from hvdtrain.cli import main
+    monkey_cwd = Path(__file__).resolve().parents[2]
+    import os
+    old = os.getcwd()
+    os.chdir(monkey_cwd)  # the example's hostfile path is relative to the checkout
+    try:
+        assert main(typed[1:]) == 0
+    finally:
+        os.chdir(old)
+    out, _ = capsys.readouterr()
+    assert out.strip() == printed

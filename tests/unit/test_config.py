@@ -110,8 +110,29 @@ def test_every_option_is_declared_once_with_help_and_reaches_the_parser():
     for f in cli_fields():
         assert f.metadata["help"], f.name
         assert actions[f.name].option_strings[0] == flag_of(f)
-        assert f.metadata["help"] in actions[f.name].help
+        if f.metadata["hidden"]:  # the fault drills: accepted, not in --help
+            assert actions[f.name].help == argparse.SUPPRESS
+        else:
+            assert f.metadata["help"] in actions[f.name].help
+    assert {f.name for f in cli_fields() if f.metadata["hidden"]} == {"fault_nan_at",
+                                                                      "fault_slow_from"}
     assert "recipe" not in actions  # not an option: what the dataset's recipe filled in
+
+
+def test_each_visible_option_is_in_one_help_group(monkeypatch):
+    import argparse
+
+    from hvdtrain.config import OPTION_GROUPS, add_arguments, cli_fields
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    groups = {g.title: [a.dest for a in g._group_actions] for g in parser._action_groups}
+    assert list(groups)[-len(OPTION_GROUPS):] == list(OPTION_GROUPS)
+    placed = [d for title in OPTION_GROUPS for d in groups[title]]
+    assert sorted(placed) == sorted(f.name for f in cli_fields() if not f.metadata["hidden"])
+    import hvdtrain.config as config
+    monkeypatch.setattr(config, "OPTION_GROUPS", dict(OPTION_GROUPS, extra=(None, ("dropout",))))
+    with pytest.raises(ValueError, match="OPTION_GROUPS must hold each visible option once"):
+        add_arguments(argparse.ArgumentParser())
 
 
 def test_a_datasets_recipe_fills_what_the_command_line_leaves_out(tmp_path):
