@@ -28,6 +28,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from hvdtrain.launch.discovery import discover_hosts, elastic_network_interfaces
+
 LAUNCHERS = ("horovodrun", "mpirun")
 _LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
 _KNOWN_KEYS = ("slots", "max_slots")
@@ -294,13 +296,24 @@ def horovodrun_elastic_argv(np_: int, command: list[str], *, min_np: int | None,
                             ssh_port: int | None = None, ssh_identity_file: str | None = None,
                             network_interfaces: str | None = None,
                             knobs: dict[str, str] | None = None,
-                            env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+                            env: dict[str, str] | None = None,
+                            discovered: list[str] | None = None
+                            ) -> tuple[list[str], dict[str, str]]:
     """``horovodrun -np N --min-np A --max-np B --host-discovery-script S [...] <command>``
     (Horovod Elastic, Gloo controller), with Horovod's settings ``knobs`` as horovodrun flags,
     as :func:`horovodrun_argv` passes them.
 
+    Without ``network_interfaces`` it adds the one
+    :func:`~hvdtrain.launch.discovery.elastic_network_interfaces` decides
+    from the hosts the discovery script prints (``--network-interfaces lo`` when every host is
+    this machine): horovodrun would otherwise wait silently for a second host. Those hosts are
+    ``discovered`` when given, else the script is run once here
+    (:func:`~hvdtrain.launch.discovery.discover_hosts`), the one thing this builder runs.
+
     Raises:
-        ValueError: a missing/non-executable discovery script, or not ``1 <= A <= N <= B``.
+        ValueError: a missing/non-executable discovery script, not ``1 <= A <= N <= B``, or
+            (without ``network_interfaces``) a discovery script that fails or prints fewer than
+            two hosts that are not all this machine.
     """
     if not command:
         raise ValueError("no command to launch; put it after '--'")
@@ -312,6 +325,10 @@ def horovodrun_elastic_argv(np_: int, command: list[str], *, min_np: int | None,
     if not 1 <= min_np <= np_ <= max_np:
         raise ValueError(f"elastic sizes must satisfy 1 <= --min-np ({min_np}) <= -np ({np_}) "
                          f"<= --max-np ({max_np})")
+    if not network_interfaces:
+        if discovered is None:
+            discovered = discover_hosts(discovery_script)
+        network_interfaces = elastic_network_interfaces(discovered, discovery_script)
     argv = ["horovodrun", "-np", str(np_), "--min-np", str(min_np), "--max-np", str(max_np),
             "--host-discovery-script", discovery_script]
     argv += _horovodrun_ssh_args(ssh_port, ssh_identity_file, network_interfaces)

@@ -253,3 +253,88 @@ def test_horovod_knobs_reach_both_launchers(tmp_path):
         assert argv[argv.index(name) - 1] == "-x"
     with pytest.raises(ValueError, match="--cycle-time-ms must be > 0"):
         tuning.horovod_knobs(cycle_time_ms=0)
+
+
+# ---- elastic: the interface horovodrun needs, from the hosts discovered at launch (issue 37.10) --
+
+def discovery_script(tmp_path, body):
+    path = tmp_path / "discover.sh"
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def elastic(script, **kw):
+    return hf.horovodrun_elastic_argv(2, ["python", "t.py"], min_np=1, max_np=2,
+                                      discovery_script=script, **kw)[0]
+
+
+def test_elastic_argv_adds_the_loopback_interface_when_every_host_is_this_machine(tmp_path):
+    # Before: no --network-interfaces, and horovodrun waited silently for a second host.
+    script = discovery_script(tmp_path, "echo localhost:2")
+    from hvdtrain.launch.discovery import loopback_interface
+    lo = loopback_interface()
+    assert elastic(script) == ["horovodrun", "-np", "2", "--min-np", "1", "--max-np", "2",
+                               "--host-discovery-script", script, "--network-interfaces", lo,
+                               "python", "t.py"]
+    # Every loopback address and this machine's own name are this machine (test hosts of
+    # tests/parallel live on 127.0.0.x).
+    import socket
+    for hosts in (["localhost", "127.0.0.2", "127.0.0.3"], [socket.gethostname()]):
+        argv = elastic(script, discovered=hosts)
+        assert argv[argv.index("--network-interfaces") + 1] == lo, hosts
+
+
+def test_elastic_argv_keeps_the_interfaces_given_and_then_runs_no_script(tmp_path):
+    marker = tmp_path / "ran"
+    script = discovery_script(tmp_path, f"touch {marker}\nexit 3")
+    argv = elastic(script, network_interfaces="eth0")
+    assert argv[argv.index("--network-interfaces") + 1] == "eth0"
+    assert argv.count("--network-interfaces") == 1 and not marker.exists()
+
+
+def test_elastic_argv_leaves_two_or_more_remote_hosts_to_horovodrun(tmp_path):
+    # Two hosts: horovodrun compares their interfaces itself. (TEST-NET addresses: never local.)
+    script = discovery_script(tmp_path, "echo 192.0.2.77:1; echo 198.51.100.7:1")
+    assert "--network-interfaces" not in elastic(script)
+    assert "--network-interfaces" not in elastic(script, discovered=["localhost", "203.0.113.9"])
+
+
+@pytest.mark.parametrize("body,message", [
+    ("echo 198.51.100.7:2", "printed only 198.51.100.7 now, and Horovod Elastic without "
+                            "--network-interfaces waits"),
+    ("true", "printed no hosts now"),
+    ("echo node1:two", "printed 'node1:two', which is not 'host:slots'"),
+    ("echo oops >&2; exit 3", r"exited with status 3 \(oops\)"),
+])
+def test_elastic_argv_fails_at_once_saying_what_to_add(tmp_path, body, message):
+    script = discovery_script(tmp_path, body)
+    with pytest.raises(ValueError, match=message) as info:
+        elastic(script)
+    if "now" in message:
+        assert "add --network-interfaces IFACE" in str(info.value)
+
+
+def test_discovery_script_that_hangs_is_stopped(tmp_path):
+    from hvdtrain.launch.discovery import discover_hosts
+    script = discovery_script(tmp_path, "sleep 30")
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="did not finish within 0.5 s"):
+        discover_hosts(script, timeout=0.5)
+    assert time.monotonic() - start < 10
+    assert discover_hosts(discovery_script(tmp_path, "printf 'a:2\\n\\nb\\n'")) == ["a", "b"]
+
+
+def test_launch_elastic_dry_run_shows_the_interface_or_refuses(tmp_path):
+    exe = [sys.executable, "-m", "hvdtrain.cli", "launch", "--dry-run", "--elastic", "-np", "2",
+           "--min-np", "1", "--max-np", "2", "--host-discovery-script"]
+    local = discovery_script(tmp_path, "echo localhost:2")
+    proc = subprocess.run(exe + [local, "--", "true"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "--network-interfaces lo" in proc.stdout
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    proc = subprocess.run(exe + [discovery_script(remote, "echo 198.51.100.7:2"), "--", "true"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "add --network-interfaces IFACE" in proc.stderr
