@@ -5,6 +5,7 @@ prints the plan's notes and command line, runs its checks and runs it.
 """
 from __future__ import annotations
 
+import json
 import os
 import shlex
 from dataclasses import dataclass, field
@@ -12,7 +13,15 @@ from dataclasses import dataclass, field
 from hvdtrain.launch import hostfile as hf
 from hvdtrain.launch import slurm
 from hvdtrain.launch.signals import LAUNCH_ID_VAR, new_launch_id
-from hvdtrain.launch.tuning import YIELD_MCA, horovod_knobs, launch_tuning, visible_gpus
+from hvdtrain.launch.tuning import (LAUNCH_CHOICES_VAR, YIELD_MCA, horovod_knobs, launch_tuning,
+                                    visible_gpus)
+
+# Seconds Open MPI's mpirun waits between handing SIGTERM to the ranks and SIGKILLing them
+# (its default: 1); Slurm's KillWait and Kubernetes' grace period default to 30 s.
+SIGKILL_MCA, SIGKILL_AFTER_S = "odls_base_sigkill_timeout", "60"
+# `hvdtrain launch` options that set a Horovod variable, for the ranks' record of who chose it.
+_KNOB_OPTIONS = {"HOROVOD_FUSION_THRESHOLD": "--fusion-threshold-mb",
+                 "HOROVOD_CYCLE_TIME": "--cycle-time-ms", "HOROVOD_AUTOTUNE": "--autotune"}
 
 
 class PlanError(ValueError):
@@ -68,6 +77,39 @@ class LaunchPlan:
         return []
 
 
+def hosts_from_h(spec: str) -> hf.Hostfile:
+    """horovodrun's ``-H host1:2,host2:2`` as a (virtual) hostfile; a host without ``:N`` has
+    one slot, as in horovodrun.
+
+    Raises:
+        hf.HostfileError: an empty list, bad slots or host names (named as in a hostfile).
+    """
+    items = [item.strip() for item in spec.split(",") if item.strip()]
+    if not items:
+        raise hf.HostfileError(f"-H {spec!r} names no hosts; write e.g. -H node1:2,node2:2")
+    lines = [item if ":" in item else f"{item}:1" for item in items]
+    try:
+        hosts = hf.parse_hostfile("\n".join(lines), "-H")
+    except hf.HostfileError as exc:  # "hostfile -H line 2: ..." -> "-H 'a:1,b:x' host 2: ..."
+        raise hf.HostfileError(str(exc).replace("hostfile -H line ", f"-H {spec!r} host ", 1)
+                               .replace("merge them into one line", "name it once")) from None
+    return hf.Hostfile(f"-H {spec}", hosts, bare=False, mpich=False, virtual=True)
+
+
+def this_host(np_: int | None) -> hf.Hostfile:
+    """``localhost`` with ``np_`` slots: where a launch with no hostfile, ``-H`` or allocation
+    runs (as ``horovodrun -np N`` does).
+
+    Raises:
+        hf.HostfileError: no ``-np``.
+    """
+    if np_ is None:
+        raise hf.HostfileError("-np is required without --hostfile or -H (the ranks to start "
+                               "on this host), e.g. hvdtrain launch -np 2 -- hvdtrain train")
+    return hf.Hostfile("this host", [hf.Host("localhost", max(np_, 1), 0)], bare=False,
+                       mpich=False, virtual=True)
+
+
 def _mca(args) -> dict[str, str]:
     bad = [kv for kv in args.mca if "=" not in kv or not kv.split("=", 1)[0]]
     if bad:
@@ -111,7 +153,7 @@ def plan(args, env: dict[str, str] | None = None, gpus: int | None = None) -> La
             missing), with what to change.
     """
     env = dict(os.environ if env is None else env)
-    env.setdefault(LAUNCH_ID_VAR, new_launch_id())
+    env[LAUNCH_ID_VAR] = new_launch_id()  # each launch its own, never an inherited one
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         raise PlanError("no command to launch; write it after '--', e.g. "
@@ -132,13 +174,18 @@ def plan(args, env: dict[str, str] | None = None, gpus: int | None = None) -> La
                 network_interfaces=args.network_interfaces, knobs=knobs, env=env, **ssh)
         except ValueError as exc:
             raise PlanError(str(exc)) from None
+        env[LAUNCH_CHOICES_VAR] = json.dumps(
+            {k: f"hvdtrain launch {_KNOB_OPTIONS.get(k, k)}" for k in knobs})
         return LaunchPlan("horovodrun", argv, env, shlex.join(argv), notes, [], args.np, None,
                           True, args.host_discovery_script, **ssh)
     if args.min_np is not None or args.max_np is not None or args.host_discovery_script:
         raise PlanError("--min-np, --max-np and --host-discovery-script need --elastic")
+    hosts_spec = getattr(args, "hosts_spec", None)
     try:
-        if args.hostfile:
-            hosts = hf.read_hostfile(args.hostfile)
+        if args.hostfile and hosts_spec:
+            raise PlanError("give --hostfile or -H, not both")
+        if args.hostfile or hosts_spec:
+            hosts = hf.read_hostfile(args.hostfile) if args.hostfile else hosts_from_h(hosts_spec)
             np_ = hosts.slots if args.np is None else args.np
         elif slurm.in_allocation(env):  # the allocation's hosts, -np its task count
             hosts = slurm.allocation_hosts(env)
@@ -148,9 +195,10 @@ def plan(args, env: dict[str, str] | None = None, gpus: int | None = None) -> La
             hosts, np_ = None, args.np
             if np_ is None:
                 raise PlanError("-np is required with --launcher srun outside an allocation")
-        else:
-            raise PlanError("--hostfile is required outside a Slurm allocation (or --elastic "
-                            "with --host-discovery-script, or --launcher srun)")
+        else:  # as horovodrun -np N: this host
+            hosts = this_host(args.np)
+            np_ = args.np
+            notes.append(f"no --hostfile, -H or Slurm allocation: {np_} rank(s) on this host")
         if hosts is not None:
             hf.check_np(hosts, np_)
         elif np_ < 1:
@@ -160,14 +208,15 @@ def plan(args, env: dict[str, str] | None = None, gpus: int | None = None) -> La
     checks = []
     if args.check:
         if not args.hostfile:
-            raise PlanError("--check needs --hostfile (inside Slurm the scheduler placed the "
-                            "job)")
+            raise PlanError("--check needs --hostfile (with -H, this host or inside Slurm, "
+                            "write the hosts into a hostfile)")
         checks.append("preflight")
     if args.launcher == "srun":
         checks.append("srun")
     user_mca = _mca(args)
+    yield_reason = ""
     if args.launcher == "horovodrun" and args.gloo:
-        tuning = {}  # no MPI in the job; horovodrun_argv drops -mca settings anyway
+        tuning = None  # no MPI in the job; horovodrun_argv drops -mca settings anyway
         notes.append(f"--gloo: no MPI, so no {YIELD_MCA}")
     else:  # nvidia-smi is only run for auto
         if gpus is None:
@@ -176,7 +225,23 @@ def plan(args, env: dict[str, str] | None = None, gpus: int | None = None) -> La
         if YIELD_MCA in user_mca:
             reason += f"; --mca {YIELD_MCA}={user_mca[YIELD_MCA]} overrides this"
         notes.append(reason)
+        yield_reason = reason
+    if tuning is not None and args.launcher != "srun":
+        # mpirun answers SIGTERM (scancel signals every process of the job, mpirun included) by
+        # handing it to the ranks and SIGKILLing them 1 s later: give them time to checkpoint.
+        # (Shown in the command line; Slurm's KillWait still SIGKILLs after its 30 s.)
+        tuning[SIGKILL_MCA] = SIGKILL_AFTER_S
+    tuning = tuning or {}
     mca = {**tuning, **user_mca}
+    # What the launch says the ranks get, they get, whatever their launcher forwards and whatever
+    # each rank's init() would choose (tuning.rank_settings); the record says who chose it.
+    choices = {f"OMPI_MCA_{k}": ("hvdtrain launch --mca" if k in user_mca else
+                                 f"hvdtrain launch: {yield_reason}")
+               for k in mca if k == YIELD_MCA}
+    choices.update({k: f"hvdtrain launch {_KNOB_OPTIONS.get(k, k)}" for k in knobs})
+    if args.launcher != "srun":  # srun_argv sets them itself, and shows them
+        env.update({f"OMPI_MCA_{k}": v for k, v in mca.items()})
+        env[LAUNCH_CHOICES_VAR] = json.dumps(choices)
     if args.launcher == "horovodrun":
         argv, env = hf.horovodrun_argv(np_, hosts, command, network_interfaces=args.network_interfaces,
                                        gloo=args.gloo, mca=mca, knobs=knobs, env=env, **ssh)
@@ -191,4 +256,5 @@ def plan(args, env: dict[str, str] | None = None, gpus: int | None = None) -> La
         changed = [f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())
                    if before.get(k) != v]
         shown = " ".join(changed + [shlex.join(argv)])  # exact, as a shell command line
+        env[LAUNCH_CHOICES_VAR] = json.dumps(choices)  # the ranks' record, not the user's command
     return LaunchPlan(args.launcher, argv, env, shown, notes, checks, np_, hosts, **ssh)

@@ -91,14 +91,18 @@ def launch_tuning(mode: str = "auto", gpus: int = 0,
     hosts, so launch from a host of the same kind or say ``on``/``off``.
 
     Args:
-        mode: ``auto``, ``on`` (always add it) or ``off`` (add nothing: Open MPI's default, or
-            an ``OMPI_MCA_mpi_yield_when_idle`` from the environment, applies).
+        mode: ``auto``, ``on`` (``mpi_yield_when_idle=1``) or ``off``
+            (``mpi_yield_when_idle=0``, Open MPI's default, set explicitly so that no rank's
+            :func:`rank_settings` turns yielding on). ``on`` and ``off`` override an
+            ``OMPI_MCA_mpi_yield_when_idle`` in the environment; with ``auto`` a value from the
+            environment applies when ``auto`` would turn yielding off.
         gpus: GPUs visible on this host (:func:`visible_gpus`); only ``auto`` reads it.
         env: the launch environment, only to mention an ``OMPI_MCA_mpi_yield_when_idle`` in it.
 
     Returns:
-        ``({mca name: value}, reason)``: the ``-mca`` settings to add (empty for off) and one
-        sentence saying what was chosen and why, for the user.
+        ``({mca name: value}, reason)``: the ``-mca`` settings to add (empty only where
+        ``auto`` leaves an inherited ``OMPI_MCA_mpi_yield_when_idle`` in force) and one sentence
+        saying what was chosen and why, for the user.
 
     Raises:
         ValueError: ``mode`` is not one of :data:`YIELD_MODES`, or ``gpus`` < 0.
@@ -119,13 +123,14 @@ def launch_tuning(mode: str = "auto", gpus: int = 0,
     if on:
         hint = "; --yield-when-idle off turns this off" if mode == "auto" else ""
         return {YIELD_MCA: "1"}, f"idle MPI ranks yield their core ({YIELD_MCA}=1): {why}{hint}"
-    reason = f"idle MPI ranks busy-poll (Open MPI's default, no {YIELD_MCA}): {why}"
     inherited = (env or {}).get("OMPI_MCA_" + YIELD_MCA)
-    if inherited is not None:
-        reason += f"; OMPI_MCA_{YIELD_MCA}={inherited} from the environment still applies"
-    elif mode == "auto":
+    if mode == "auto" and inherited is not None:
+        return {}, (f"{why}; OMPI_MCA_{YIELD_MCA}={inherited} from the environment applies "
+                    "(--yield-when-idle on/off overrides it)")
+    reason = f"idle MPI ranks busy-poll (Open MPI's default, {YIELD_MCA}=0): {why}"
+    if mode == "auto":
         reason += "; --yield-when-idle on forces yielding"
-    return {}, reason
+    return {YIELD_MCA: "0"}, reason
 
 
 def horovod_knobs(fusion_threshold_mb: int | None = None, cycle_time_ms: float | None = None,
@@ -151,6 +156,23 @@ def horovod_knobs(fusion_threshold_mb: int | None = None, cycle_time_ms: float |
     if autotune:
         env["HOROVOD_AUTOTUNE"] = "1"
     return env
+
+
+# The settings `hvdtrain launch` put into its ranks' environment, as JSON {name: why}, so that
+# each rank's record says who chose them (rank_settings).
+LAUNCH_CHOICES_VAR = "HVDTRAIN_LAUNCH_CHOICES"
+
+
+def launch_choices(env: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """``{variable: why}`` for the settings ``hvdtrain launch`` chose for this rank
+    (:data:`LAUNCH_CHOICES_VAR`); empty when not launched by it or the value is unreadable."""
+    import json
+    env = os.environ if env is None else env
+    try:
+        found = json.loads(env.get(LAUNCH_CHOICES_VAR) or "{}")
+    except ValueError:
+        return {}
+    return {str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else {}
 
 
 # What rank_settings may choose, with Horovod's / Open MPI's own default when nothing is set
@@ -255,8 +277,8 @@ def rank_settings(on_gpu: bool, size: int | None = None,
     to keep the file's value.
 
     Returns:
-        ``{name: {"value": str, "by": "user" | "hvdtrain" | "default" | "autotune", "why":
-        str}}`` for each name in :data:`RANK_SETTING_DEFAULTS`: what applies and who chose it,
+        ``{name: {"value": str, "by": "user" | "hvdtrain launch" | "hvdtrain" | "default" |
+        "autotune", "why": str}}`` for each name in :data:`RANK_SETTING_DEFAULTS`: what applies and who chose it,
         for the run header and ``metrics.json`` (:func:`settings_in_effect` after
         ``hvd.init()``).
     """
@@ -276,8 +298,11 @@ def rank_settings(on_gpu: bool, size: int | None = None,
         if size > 1:
             cpu_rule["HOROVOD_CYCLE_TIME"] = CPU_CYCLE_WITHOUT_WAKE
     chosen = {}
+    by_launch = launch_choices(env)
     for name, default in RANK_SETTING_DEFAULTS.items():
-        if env.get(name, "").strip():
+        if env.get(name, "").strip() and name in by_launch:
+            chosen[name] = {"value": env[name], "by": "hvdtrain launch", "why": by_launch[name]}
+        elif env.get(name, "").strip():
             chosen[name] = {"value": env[name], "by": "user", "why": "set in the environment"}
             if name == "HOROVOD_CYCLE_WAKE" and not _HOROVOD_INT.match(env[name]):
                 chosen[name]["why"] += (f"; Horovod reads {env[name]!r} as 0 (off): set 1 or 0")

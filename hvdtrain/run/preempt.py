@@ -117,6 +117,37 @@ class Preemption:
         return time.monotonic() - min(self.seen.values()) if self.seen else None
 
 
+# The process's Preemption, installed by install_early() before any framework is imported.
+_EARLY: Preemption | None = None
+
+
+def install_early() -> Preemption:
+    """Catch SIGTERM/SIGUSR1 from now on in this process and keep what comes, for the run to
+    act on at its first optimizer step (:func:`taken`). ``hvdtrain train`` calls it first thing,
+    before TensorFlow or PyTorch is imported (seconds to tens of seconds during which the default
+    action would kill the rank and lose the request, and under Slurm its requeue). Idempotent.
+
+    Returns:
+        The process's :class:`Preemption`, entered.
+    """
+    global _EARLY
+    if _EARLY is None:
+        _EARLY = Preemption().__enter__()
+    return _EARLY
+
+
+def taken(enabled: bool = True) -> Preemption:
+    """The entered :class:`Preemption` a run uses: the one :func:`install_early` installed (with
+    any signal that came while the run started), else a new one."""
+    global _EARLY
+    signals, _EARLY = _EARLY, None
+    if signals is None or not enabled:
+        if signals is not None:
+            signals.__exit__()
+        signals = Preemption(enabled)
+    return signals.__enter__()
+
+
 def agreed_signal(summed: list[float]) -> str | None:
     """The signal all ranks act on, from the all-reduced (summed) :meth:`Preemption.flags`:
     ``"SIGUSR1"`` when any rank saw it, else ``"SIGTERM"`` when any rank saw that, else None."""

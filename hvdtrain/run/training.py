@@ -62,7 +62,7 @@ def start(cfg, init: Callable[..., object]):
     except ValueError as exc:
         raise SystemExit(f"hvdtrain: error: --device {cfg.device}: {exc}") from None
     setup_logging(info.rank)
-    signals = preempt.Preemption().__enter__()
+    signals = preempt.taken()  # with any signal that came since install_early()
     warning = runtime.slurm_hosts_warning(info.hosts)
     if warning and info.is_root:
         log.warning(warning)

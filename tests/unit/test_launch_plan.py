@@ -139,3 +139,146 @@ def test_ssh_reaches_other_hosts_as_the_launcher_does():
     assert argv[0] == "ssh" and argv[argv.index("-p") + 1] == "2222"
     assert argv[argv.index("-i") + 1] == "/k" and argv[-2:] == ["node2", "python -m x"]
     assert signals.is_local("localhost") and not signals.is_local("127.0.0.2")
+
+
+def test_an_inherited_rank_variable_marks_no_rank(tmp_path):
+    # An sbatch shell's SLURM_PROCID=0 reaches everything the launch starts: horovodrun's
+    # per-rank supervisors and the ranks' helpers carried it and were taken for ranks.
+    slurm = {"SLURM_PROCID": "0"}
+    mark = {signals.LAUNCH_ID_VAR: "abc", **slurm}
+    _fake_proc(tmp_path, 20, "python3", 1, mark)  # a supervisor: only the inherited variable
+    _fake_proc(tmp_path, 21, "hvdtrain", 20, {**mark, "HOROVOD_RANK": "0"})  # rank 0
+    _fake_proc(tmp_path, 22, "python3", 1, mark)
+    _fake_proc(tmp_path, 23, "hvdtrain", 22, {**mark, "HOROVOD_RANK": "1"})  # rank 1
+    assert signals.rank_pids("abc", tmp_path) == [20, 22]  # what the old rule found
+    inherited = signals.inherited_rank_vars({"PATH": "/bin", **slurm})
+    assert inherited == slurm
+    assert signals.rank_pids("abc", tmp_path, inherited) == [21, 23]
+
+
+def test_each_launch_gets_its_own_id_never_an_inherited_one(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost slots=2\n")
+    inherited = {"PATH": "/usr/bin", signals.LAUNCH_ID_VAR: "f" * 32}
+    p = plan(launch_args(hostfile=str(hosts)), env=inherited, gpus=0)
+    assert p.env[signals.LAUNCH_ID_VAR] != "f" * 32
+    runner = signals.RankSignals(["true"], {"PATH": "/usr/bin", signals.LAUNCH_ID_VAR: "f" * 32},
+                                 "horovodrun", inherited_from=inherited)
+    assert runner.launch_id != "f" * 32 and runner.env[signals.LAUNCH_ID_VAR] == runner.launch_id
+
+
+def _rank_that_catches_late(tmp_path, delay):
+    """A rank that installs its SIGUSR1 handler ``delay`` seconds after it starts (as hvdtrain
+    train does after Python's start-up) and writes 'usr1' when the signal comes."""
+    got = tmp_path / "got"
+    code = ("import signal, time, pathlib\n"
+            f"time.sleep({delay})\n"
+            f"p = pathlib.Path({str(got)!r})\n"
+            "signal.signal(signal.SIGUSR1, lambda *a: p.write_text('usr1'))\n"
+            "deadline = time.time() + 30\n"
+            "while not p.exists() and time.time() < deadline:\n"
+            "    time.sleep(0.02)\n")
+    env = {**os.environ, signals.LAUNCH_ID_VAR: "h" * 32, "HOROVOD_RANK": "0"}
+    return subprocess.Popen([sys.executable, "-c", code], env=env), got
+
+
+def test_a_signal_is_held_until_the_rank_catches_it(tmp_path):
+    proc, got = _rank_that_catches_late(tmp_path, 1.0)
+    try:
+        time.sleep(0.3)
+        assert signals.catches(proc.pid, signal.SIGUSR1) is False
+        assert signals.signal_local_ranks(signal.SIGUSR1, "h" * 32, hold_s=20) == 1
+        assert signals.catches(proc.pid, signal.SIGUSR1) is True
+        assert proc.wait(timeout=30) == 0 and got.read_text() == "usr1"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # Without the hold the default action ends the rank and the request is lost.
+    (tmp_path / "again").mkdir()
+    proc, got = _rank_that_catches_late(tmp_path / "again", 1.0)
+    time.sleep(0.3)
+    assert signals.signal_local_ranks(signal.SIGUSR1, "h" * 32) == 1
+    assert proc.wait(timeout=30) == -signal.SIGUSR1 and not got.exists()
+
+
+def test_a_rank_that_never_catches_it_gets_it_after_the_hold(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                            env={**os.environ, signals.LAUNCH_ID_VAR: "n" * 32,
+                                 "HOROVOD_RANK": "0"})
+    try:
+        time.sleep(0.3)
+        started = time.monotonic()
+        assert signals.signal_local_ranks(signal.SIGTERM, "n" * 32, hold_s=1.0) == 1
+        assert 0.9 < time.monotonic() - started < 5
+        assert proc.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_without_hostfile_the_launch_runs_on_this_host_and_takes_h(tmp_path):
+    p = plan(launch_args(np=2, hostfile=None), env={"PATH": "/usr/bin"}, gpus=0)
+    assert p.argv[:5] == ["horovodrun", "-np", "2", "-H", "localhost:2"]
+    assert any("on this host" in note for note in p.notes)
+    p = plan(launch_args(np=3, hostfile=None, hosts_spec="node1:2,node2", launcher="mpirun"),
+             env={"PATH": "/usr/bin"}, gpus=0)
+    assert p.argv[p.argv.index("-H") + 1] == "node1:2,node2:1" and p.host_names() == [
+        "node1", "node2"]
+    with pytest.raises(PlanError, match="-np is required without --hostfile or -H"):
+        plan(launch_args(np=None, hostfile=None), env={}, gpus=0)
+    with pytest.raises(PlanError, match="-H 'node1:x'.*'slots=x' is not a whole number"):
+        plan(launch_args(np=1, hostfile=None, hosts_spec="node1:x"), env={}, gpus=0)
+    with pytest.raises(PlanError, match="-np 4 is more than the 3 slots"):
+        plan(launch_args(np=4, hostfile=None, hosts_spec="node1:2,node2"), env={}, gpus=0)
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun", "mpirun", "srun"])
+def test_yield_off_is_what_the_ranks_get_and_their_record_says_who(launcher):
+    from hvdtrain.launch import tuning
+    slurm = {"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "localhost", "SLURM_TASKS_PER_NODE": "2",
+             "SLURM_NTASKS": "2"}
+    env = {"PATH": "/usr/bin", "OMPI_MCA_mpi_yield_when_idle": "1", **slurm}
+    p = plan(launch_args(np=2, hostfile=None, launcher=launcher, yield_when_idle="off"),
+             env=env, gpus=0)
+    assert p.env["OMPI_MCA_mpi_yield_when_idle"] == "0"
+    rank_env = dict(p.env)  # what a rank inherits
+    record = tuning.rank_settings(on_gpu=False, size=2, env=rank_env, can_wake=True)
+    setting = record["OMPI_MCA_mpi_yield_when_idle"]
+    assert setting["value"] == "0" and setting["by"] == "hvdtrain launch"
+    assert "--yield-when-idle off" in setting["why"]
+    assert rank_env["OMPI_MCA_mpi_yield_when_idle"] == "0"  # the rank did not turn it on
+    # A user's own variable, no launch: the rank's rule applies, and says so.
+    own = tuning.rank_settings(on_gpu=False, size=2, env={}, can_wake=True)
+    assert own["OMPI_MCA_mpi_yield_when_idle"]["by"] == "hvdtrain"
+
+
+def test_mpirun_gives_the_ranks_time_to_checkpoint_after_sigterm(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost slots=2\n")
+    p = plan(launch_args(hostfile=str(hosts), launcher="mpirun"), env={"PATH": "/usr/bin"},
+             gpus=0)
+    at = p.argv.index("odls_base_sigkill_timeout")
+    assert p.argv[at - 1] == "-mca" and int(p.argv[at + 1]) >= 30
+    p = plan(launch_args(hostfile=str(hosts)), env={"PATH": "/usr/bin"}, gpus=0)
+    assert any("--mca odls_base_sigkill_timeout" in a for a in p.argv)  # horovodrun's mpirun
+    p = plan(launch_args(hostfile=str(hosts), gloo=True), env={"PATH": "/usr/bin"}, gpus=0)
+    assert not any("odls_base_sigkill_timeout" in a for a in p.argv)
+
+
+def test_a_signal_before_the_run_starts_is_kept_for_its_first_step():
+    from hvdtrain.run import preempt
+    before = signal.getsignal(signal.SIGTERM)
+    early = preempt.install_early()
+    try:
+        assert preempt.install_early() is early
+        os.kill(os.getpid(), signal.SIGTERM)  # while the framework imports
+        time.sleep(0.05)
+        signals_ = preempt.taken()
+        assert signals_ is early and signals_.flags() == [1.0, 0.0]
+        signals_.__exit__()
+        assert signal.getsignal(signal.SIGTERM) == before
+        fresh = preempt.taken()
+        assert fresh is not early and fresh.flags() == [0.0, 0.0]
+        fresh.__exit__()
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -206,9 +206,12 @@ def test_launch_srun_dry_run_prints_the_exact_command_and_what_is_missing(capsys
     assert "hvdtrain: error: srun not found on PATH" in capsys.readouterr().err
 
 
-def test_launch_outside_an_allocation_still_needs_a_hostfile(capsys, clean_launcher_env):
-    rc, out, err = dry_launch(capsys, "-np", "2")
-    assert rc == 2 and "--hostfile is required outside a Slurm allocation" in err
+def test_launch_outside_an_allocation_runs_on_this_host(capsys, clean_launcher_env):
+    rc, out, err = dry_launch(capsys, "-np", "2")  # as horovodrun -np 2 does
+    assert rc == 0 and shlex.split(out)[:5] == ["horovodrun", "-np", "2", "-H", "localhost:2"]
+    assert "no --hostfile, -H or Slurm allocation: 2 rank(s) on this host" in err
+    rc, out, err = dry_launch(capsys)
+    assert rc == 2 and "-np is required without --hostfile or -H" in err
     rc, out, err = dry_launch(capsys, "--launcher", "srun")
     assert rc == 2 and "-np is required with --launcher srun outside an allocation" in err
 
