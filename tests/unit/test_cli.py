@@ -106,9 +106,10 @@ def test_launch_dry_run_gpu_host_does_not_yield(capsys, launch_env):
     launch_env(2)
     rc, argv, err = dry_launch(capsys, "--launcher", "mpirun", "--hostfile",
                                str(HOSTFILES / "mixed-slots.txt"), "-np", "7")
-    assert rc == 0 and "mpi_yield_when_idle" not in argv
-    assert err == ("hvdtrain: idle MPI ranks busy-poll (Open MPI's default, no "
-                   "mpi_yield_when_idle): 2 GPUs visible on this host: the ranks compute on "
+    at = argv.index("mpi_yield_when_idle")  # said, and set: no CPU rank's init turns it on
+    assert rc == 0 and argv[at - 1:at + 2] == ["-mca", "mpi_yield_when_idle", "0"]
+    assert err == ("hvdtrain: idle MPI ranks busy-poll (Open MPI's default, "
+                   "mpi_yield_when_idle=0): 2 GPUs visible on this host: the ranks compute on "
                    "their GPUs, and yielding would only add MPI latency; --yield-when-idle on "
                    "forces yielding\n")
     assert argv[argv.index("--hostfile") + 1] == str(HOSTFILES / "mixed-slots.txt")
@@ -120,17 +121,17 @@ def test_launch_dry_run_forced_choices_and_no_tuning_alias(capsys, launch_env, m
     rc, argv, err = dry_launch(capsys, "--yield-when-idle", "on", *hosts)
     assert rc == 0 and argv[:5] == ["horovodrun", "-np", "4", "--hostfile",
                                     str(HOSTFILES / "two-hosts.txt")]
-    assert "--mpi-args=--mca mpi_yield_when_idle 1" in argv
+    assert "--mpi-args=--mca mpi_yield_when_idle 1 --mca odls_base_sigkill_timeout 60" in argv
     assert err == ("hvdtrain: idle MPI ranks yield their core (mpi_yield_when_idle=1): "
                    "--yield-when-idle on\n")
     launch_env(0)
     monkeypatch.setenv("OMPI_MCA_mpi_yield_when_idle", "1")
     for flags in (["--no-tuning"], ["--yield-when-idle", "off"]):
-        rc, argv, err = dry_launch(capsys, *flags, *hosts)
-        assert rc == 0 and not any(a.startswith("--mpi-args") for a in argv)
-        assert err == ("hvdtrain: idle MPI ranks busy-poll (Open MPI's default, no "
-                       "mpi_yield_when_idle): --yield-when-idle off; "
-                       "OMPI_MCA_mpi_yield_when_idle=1 from the environment still applies\n")
+        rc, argv, err = dry_launch(capsys, *flags, *hosts)  # off overrides the environment
+        assert rc == 0 and "--mpi-args=--mca mpi_yield_when_idle 0 --mca " \
+            "odls_base_sigkill_timeout 60" in argv
+        assert err == ("hvdtrain: idle MPI ranks busy-poll (Open MPI's default, "
+                       "mpi_yield_when_idle=0): --yield-when-idle off\n")
 
 
 def test_launch_dry_run_mpich_hostfile_gloo_and_bad_mca(capsys, launch_env):

@@ -160,9 +160,9 @@ def test_yield_when_idle_auto_is_on_for_cpu_hosts_and_off_for_gpu_hosts():
                              "visible on this host")
     assert reason.endswith("--yield-when-idle off turns this off")
     mca, reason = tuning.launch_tuning("auto", gpus=4)
-    assert mca == {}
-    assert reason.startswith("idle MPI ranks busy-poll (Open MPI's default, no "
-                             "mpi_yield_when_idle): 4 GPUs visible on this host")
+    assert mca == {"mpi_yield_when_idle": "0"}  # said, and set: no rank turns it on
+    assert reason.startswith("idle MPI ranks busy-poll (Open MPI's default, "
+                             "mpi_yield_when_idle=0): 4 GPUs visible on this host")
     assert reason.endswith("--yield-when-idle on forces yielding")
     assert "1 GPU visible" in tuning.launch_tuning("auto", gpus=1)[1]
 
@@ -173,10 +173,16 @@ def test_yield_when_idle_forced_on_or_off_ignores_gpus():
             {"mpi_yield_when_idle": "1"},
             "idle MPI ranks yield their core (mpi_yield_when_idle=1): --yield-when-idle on")
         assert tuning.launch_tuning("off", gpus) == (
-            {}, "idle MPI ranks busy-poll (Open MPI's default, no mpi_yield_when_idle): "
-                "--yield-when-idle off")
-    _, reason = tuning.launch_tuning("off", env={"OMPI_MCA_mpi_yield_when_idle": "1"})
-    assert reason.endswith("; OMPI_MCA_mpi_yield_when_idle=1 from the environment still applies")
+            {"mpi_yield_when_idle": "0"}, "idle MPI ranks busy-poll (Open MPI's default, "
+            "mpi_yield_when_idle=0): --yield-when-idle off")
+    # off overrides the environment's value (before: it still applied, against what was said)
+    mca, _ = tuning.launch_tuning("off", env={"OMPI_MCA_mpi_yield_when_idle": "1"})
+    assert mca == {"mpi_yield_when_idle": "0"}
+    # auto on a GPU host leaves a value from the environment in force, and says so
+    mca, reason = tuning.launch_tuning("auto", 2, env={"OMPI_MCA_mpi_yield_when_idle": "1"})
+    assert mca == {} and reason.endswith(
+        "OMPI_MCA_mpi_yield_when_idle=1 from the environment applies (--yield-when-idle on/off "
+        "overrides it)")
     with pytest.raises(ValueError, match="--yield-when-idle must be one of auto, on, off; got 'y"):
         tuning.launch_tuning("yes")
     with pytest.raises(ValueError, match="gpus must be >= 0"):
