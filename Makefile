@@ -3,16 +3,19 @@
 SHELL := /bin/bash
 VENV := $(CURDIR)/.venv
 PY := $(VENV)/bin/python
+# Stamp: requirements/docs.txt installed into the venv (the docs target).
+DOCS_DEPS := $(VENV)/.hvdtrain-docs-deps
 NP ?= 2
 export PATH := $(VENV)/bin:$(PATH)
 # Ranks >= cores on small machines: idle MPI ranks yield instead of busy-polling (docs/stack.md, section 3).
 export OMPI_MCA_mpi_yield_when_idle ?= 1
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: setup demo test unit parallel bench doctor gpu-check clean
+.PHONY: setup demo test unit parallel bench doctor docs gpu-check clean
 
 setup:
 	bash scripts/setup.sh
+	bash scripts/setup_engines.sh $(PY)  # Spark (+ a JRE) for hvdtrain.spark; HVDTRAIN_ENGINES
 
 # The main job (README): MNIST with its recipe (hvdtrain/datasets/recipes.py), 2 processes,
 # PyTorch and Keras on both backends, >= 98.9 %.
@@ -26,10 +29,11 @@ demo: setup
 		$(MNIST) --output-dir runs/mnist-keras-torch
 	hvdtrain report runs/mnist-torch runs/mnist-keras runs/mnist-keras-torch
 
-test: setup
+# tests/unit/test_docs.py builds the documentation (as `make docs` does), so test needs its tools.
+test: setup $(DOCS_DEPS)
 	$(PY) -m pytest tests
 
-unit: setup
+unit: setup $(DOCS_DEPS)
 	$(PY) -m pytest tests/unit
 
 parallel: setup
@@ -40,6 +44,16 @@ bench: setup
 
 doctor: setup
 	hvdtrain doctor
+
+# The documentation site (docs/conf.py) into docs/_build/html: every page read afresh (-E), warnings
+# are errors (-W), every cross-reference must resolve (-n). Its tools: requirements/docs.txt.
+$(DOCS_DEPS): requirements/docs.txt requirements/constraints.txt
+	$(PY) -m pip install -q --disable-pip-version-check -c requirements/constraints.txt \
+		-r requirements/docs.txt
+	touch $@
+docs: setup $(DOCS_DEPS)
+	$(PY) -m sphinx -n -W --keep-going -E -q -b html docs docs/_build/html
+	@echo "docs: file://$(CURDIR)/docs/_build/html/index.html"
 
 # On a GPU machine: NCCL set-up, tests/gpu and the GPU benchmark (ResNet-50; Keras on PyTorch), evidence in runs/gpu-check.
 gpu-check:

@@ -121,7 +121,7 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
 
     @property
     def factor(self) -> float:
-        """The world-size scaling factor (a variable: elastic training changes it on a reset)."""
+        """The world-size scaling factor (a variable, which elastic training changes on a reset)."""
         return float(ops.convert_to_numpy(self.scale))
 
     def __call__(self, iterations):
@@ -159,7 +159,7 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
 
     @property
     def base(self):
-        """The user's base rate now: the ``LearningRateSchedule``, or the float (as
+        """The user's base rate now (the ``LearningRateSchedule``, or the float as
         :meth:`set_rate` last left it)."""
         return self.base_lr if self.base_rate is None else float(
             ops.convert_to_numpy(self.base_rate))

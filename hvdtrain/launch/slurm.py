@@ -169,7 +169,7 @@ def srun_mpi_plugins(env: dict[str, str] | None = None, timeout_s: float = 30.0)
 
 def parse_mpi_list(text: str) -> list[str]:
     """The plugin names in ``srun --mpi=list`` output: Slurm 22.05 prints ``MPI plugin types
-    are...`` then one name per line (``srun: `` prefixes allowed); later versions print them on
+    are...`` then one name per line (``srun:`` prefixes allowed); later versions print them on
     one line separated by commas. Lines about plugin versions (``pmix_v4``) are left out."""
     names = []
     for line in text.splitlines():

@@ -124,7 +124,7 @@ class ElasticReport:
 
     def skipped_step(self, bad_ranks: list[int], step: int) -> None:
         """After an optimizer step skipped on every rank (its all-reduced gradients were not
-        finite; ``bad_ranks``: the ranks whose loss was not finite, :func:`ranks_where`).
+        finite; ``bad_ranks``: the ranks whose loss was not finite, from ``ranks_where``).
 
         Raises:
             runtime.NonFiniteLossError: with ``--on-nonfinite stop``, on every rank, after

@@ -1,0 +1,2 @@
+def write_pages(src, out):
+    pass
