@@ -1,0 +1,123 @@
+"""Cluster presets for :mod:`hvdtrain.scaling.model` (bandwidths in bytes/s, latencies in s).
+
+The network figures are line rates times an achievable fraction (``NET_EFFICIENCY``: framing,
+TCP/IP or RDMA headers; nccl-tests report all-reduce bus bandwidths of roughly 85-95 % of the
+line rate on tuned InfiniBand, less on TCP). The intra-host figures are NCCL all-reduce bus
+bandwidths of the class of machine (nccl-tests ``doc/PERFORMANCE.md`` defines busbw): PCIe 3
+x16 about 10 GB/s, NVLink 2 (V100, DGX-1) about 130 GB/s, NVLink 3 + NVSwitch (A100) about
+230 GB/s, NVLink 4 (H100) about 360 GB/s. They are round figures for planning, not
+measurements of a given machine: pass ``--intra-gbps``/``--inter-gbps``/``--latency-us`` or
+measure with ``benchmarks/allreduce.py`` for yours.
+
+``this-host`` is this machine, from the all-reduce times ``benchmarks/allreduce.py`` measured
+(its committed ``benchmarks/results/allreduce.json``, Horovod over MPI at np=2): the fitted
+latency and bandwidth of ``t = alpha + bytes / B``; ranks per host = its cores; no overlap (CPU
+ranks compute and communicate on the same cores).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from hvdtrain.scaling.model import Cluster
+
+GB = 1e9
+NET_EFFICIENCY = 0.9  # achievable fraction of a network's line rate (see the module docstring)
+
+
+def _gbit(gbps: float, nics: int = 1) -> float:
+    return gbps / 8 * GB * nics * NET_EFFICIENCY
+
+
+PRESETS: dict[str, Cluster] = {
+    "pcie-25gbe": Cluster(
+        "pcie-25gbe", 4, 10 * GB, 5e-6, _gbit(25), 25e-6, True,
+        "4 GPUs per host on PCIe 3 (~10 GB/s busbw), 25 Gb/s Ethernet, TCP (~25 us per hop); "
+        "the Horovod paper's 2017 cluster"),
+    "pcie-25gbe-rdma": Cluster(
+        "pcie-25gbe-rdma", 4, 10 * GB, 5e-6, _gbit(25), 5e-6, True,
+        "as pcie-25gbe with RoCE/RDMA: the same line rate, ~5 us per hop"),
+    "pcie-100gbe": Cluster(
+        "pcie-100gbe", 8, 10 * GB, 5e-6, _gbit(100), 15e-6, True,
+        "8 GPUs per host on PCIe, 100 Gb/s Ethernet, TCP"),
+    "nvlink-100gbe": Cluster(
+        "nvlink-100gbe", 8, 130 * GB, 2e-6, _gbit(100), 15e-6, True,
+        "8 V100 per host on NVLink 2 (~130 GB/s busbw), 100 Gb/s Ethernet, TCP (AWS "
+        "p3dn.24xlarge class)"),
+    "nvlink-ib100": Cluster(
+        "nvlink-ib100", 8, 130 * GB, 2e-6, _gbit(100), 3e-6, True,
+        "8 V100 per host on NVLink 2, one 100 Gb/s InfiniBand (EDR) port per host"),
+    "nvlink-ib200": Cluster(
+        "nvlink-ib200", 8, 230 * GB, 2e-6, _gbit(200), 3e-6, True,
+        "8 A100 per host on NVLink 3 + NVSwitch (~230 GB/s busbw), one 200 Gb/s InfiniBand "
+        "(HDR) port per host"),
+    "nvlink-ib400": Cluster(
+        "nvlink-ib400", 8, 360 * GB, 2e-6, _gbit(400), 3e-6, True,
+        "8 H100 per host on NVLink 4 (~360 GB/s busbw), one 400 Gb/s InfiniBand (NDR) port per "
+        "host"),
+    "nvlink-ib200x8": Cluster(
+        "nvlink-ib200x8", 8, 230 * GB, 2e-6, _gbit(200, 8), 3e-6, True,
+        "DGX A100 class: 8 A100 on NVSwitch, 8 x 200 Gb/s InfiniBand ports per host (one per "
+        "GPU)"),
+}
+
+ALLREDUCE_JSON = Path("benchmarks") / "results" / "allreduce.json"
+
+
+def find_allreduce_json(path: str | os.PathLike | None = None) -> Path | None:
+    """The all-reduce results file: ``path``, else ``benchmarks/results/allreduce.json`` under
+    the working directory or the checkout this package sits in; None when there is none."""
+    candidates = [Path(path)] if path else [
+        Path.cwd() / ALLREDUCE_JSON, Path(__file__).resolve().parents[2] / ALLREDUCE_JSON]
+    return next((p for p in candidates if p.is_file()), None)
+
+
+def this_host(allreduce_json: str | os.PathLike | None = None, impl: str = "horovod-mpi",
+              cores: int | None = None) -> Cluster:
+    """This machine as a :class:`Cluster` from ``benchmarks/allreduce.py``'s fitted
+    ``alpha_beta`` of ``impl`` (``alpha_s``: the per-call latency, split over the ring's
+    ``2 (N-1)`` steps; ``bandwidth_bytes_per_s``: measured at np=2, where busbw = algbw).
+
+    Raises:
+        FileNotFoundError: no results file (run ``benchmarks/allreduce.py``, or give
+            ``--intra-gbps`` and ``--latency-us``).
+        KeyError: the file has no fit for ``impl``.
+    """
+    found = find_allreduce_json(allreduce_json)
+    if found is None:
+        raise FileNotFoundError(
+            "this-host needs benchmarks/results/allreduce.json (run benchmarks/allreduce.py), "
+            "or pass --cluster custom with --intra-gbps and --latency-us")
+    data = json.loads(found.read_text())
+    fit = data["alpha_beta"][impl]
+    ranks = int(data.get("np", 2))
+    cores = cores or os.cpu_count() or 1
+    latency = float(fit["alpha_s"]) / (2 * (ranks - 1))
+    bw = float(fit["bandwidth_bytes_per_s"])
+    machine = data.get("machine", {})
+    return Cluster("this-host", cores, bw, latency, bw, latency, False,
+                   f"{found.name}: {impl} at np={ranks} on {machine.get('cpu', '?')} "
+                   f"({machine.get('cores', '?')} cores): alpha {fit['alpha_s'] * 1e3:.3f} ms, "
+                   f"{bw / GB:.2f} GB/s; CPU ranks: no overlap")
+
+
+def custom(ranks_per_host: int, intra_gbps: float, inter_gbps: float, latency_us: float,
+           overlap: bool = True) -> Cluster:
+    """A cluster from figures: bandwidths in GB/s (bytes, not bits), latency in microseconds."""
+    return Cluster("custom", ranks_per_host, intra_gbps * GB, latency_us * 1e-6,
+                   inter_gbps * GB, latency_us * 1e-6, overlap, "given on the command line")
+
+
+def cluster(name: str, **kw) -> Cluster:
+    """A preset by name, or ``this-host``.
+
+    Raises:
+        ValueError: unknown name (the message lists the presets).
+    """
+    if name == "this-host":
+        return this_host(**kw)
+    if name not in PRESETS:
+        raise ValueError(f"unknown cluster {name!r}; use this-host, custom or one of "
+                         f"{', '.join(PRESETS)}")
+    return PRESETS[name]

@@ -1,0 +1,216 @@
+"""hvdtrain.scaling: the cost model's pieces against hand-computed cases, and `hvdtrain plan` on
+a tiny model."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hvdtrain.scaling import clusters, measure
+from hvdtrain.scaling.model import (MiB, Cluster, ComputeProfile, Gradient, HorovodSettings,
+                                    allreduce_seconds, efficiency, fuse, predict_step,
+                                    ring_allreduce_seconds, schedule)
+from hvdtrain.scaling.plan import plan, ranks_list
+
+GB = 1e9
+
+
+def flat(ranks_per_host=8, intra=10 * GB, inter=10 * GB, lat=0.0, overlap=True):
+    return Cluster("t", ranks_per_host, intra, lat, inter, lat, overlap)
+
+
+def test_ring_formula_by_hand():
+    # 1 GB over 4 ranks at 10 GB/s busbw: 2 * 3/4 * 1e9 / 1e10 = 0.15 s; + 2*3 steps of 10 us.
+    assert ring_allreduce_seconds(1e9, 4, 10 * GB, 0.0) == pytest.approx(0.15)
+    assert ring_allreduce_seconds(1e9, 4, 10 * GB, 1e-5) == pytest.approx(0.15 + 6e-5)
+    assert ring_allreduce_seconds(1e9, 1, 10 * GB, 1e-5) == 0.0
+    # N=2: busbw = algbw, t = bytes / B.
+    assert ring_allreduce_seconds(4e6, 2, 2 * GB, 0.0) == pytest.approx(2e-3)
+    with pytest.raises(ValueError):
+        ring_allreduce_seconds(1, 0, GB, 0)
+
+
+def test_hierarchical_against_flat_by_hand():
+    c = Cluster("t", 4, intra_busbw=100 * GB, intra_latency_s=1e-6, inter_bw=10 * GB,
+                inter_latency_s=1e-5)
+    b = 1e9
+    flat_t = 2 * 15 / 16 * b / (10 * GB) + 30 * 1e-5
+    hier_t = (2 * 3 / 4 * b / (100 * GB) + 6 * 1e-6) + (2 * 3 / 4 * b / (10 * GB) + 6 * 1e-5)
+    assert allreduce_seconds(b, 16, c) == pytest.approx(flat_t)
+    assert allreduce_seconds(b, 16, c, hierarchical=True) == pytest.approx(hier_t)
+    # One host: the intra-host ring whatever the flag.
+    assert allreduce_seconds(b, 4, c, True) == pytest.approx(2 * 3 / 4 * b / (100 * GB) + 6e-6)
+
+
+def test_fusion_buckets():
+    assert fuse([3, 3, 3], 6) == [[0, 1], [2]]
+    assert fuse([10, 1, 1], 5) == [[0], [1, 2]]  # over the threshold: alone
+    assert fuse([1, 1, 1], 0) == [[0], [1], [2]]  # threshold 0: no fusion
+    assert fuse([], 5) == []
+
+
+def test_schedule_cycles_and_wake():
+    c = flat(lat=0.0, intra=1 * GB)  # 2 ranks: 1 MB takes 1 ms
+    ready = [(0.5e-3, 10 ** 6), (1.5e-3, 10 ** 6)]
+    ticks = schedule(ready, 2, c, HorovodSettings(cycle_time_s=1e-3))
+    assert [(round(b.start_s * 1e3, 6), round(b.end_s * 1e3, 6)) for b in ticks] == [
+        (1.0, 2.0), (2.0, 3.0)]
+    woken = schedule(ready, 2, c, HorovodSettings(cycle_time_s=1e-3, cycle_wake=True))
+    assert [(round(b.start_s * 1e3, 6), round(b.end_s * 1e3, 6)) for b in woken] == [
+        (0.5, 1.5), (1.5, 2.5)]
+    # A 5 ms cycle catches both in one cycle: one fused all-reduce of 2 MB from 5 ms to 7 ms.
+    fused = schedule(ready, 2, c, HorovodSettings(cycle_time_s=5e-3))
+    assert [(b.start_s, b.end_s, b.nbytes, b.tensors) for b in fused] == [
+        (pytest.approx(5e-3), pytest.approx(7e-3), 2 * 10 ** 6, 2)]
+
+
+def profile(ready_ms=(5.0, 10.0), nbytes=10 ** 6, fwd=5e-3, bwd=10e-3, opt=1e-3, batch=32):
+    grads = tuple(Gradient(f"g{i}", nbytes, r / 1e3) for i, r in enumerate(ready_ms))
+    return ComputeProfile(batch, fwd, bwd, opt, grads, "hand")
+
+
+WAKE = HorovodSettings(cycle_wake=True, fusion_threshold=0)
+
+
+def test_overlap_by_hand():
+    # Backward 5..15 ms; 1 MB ready at +5 and +10 ms; each all-reduce 1 ms at 2 ranks, 1 GB/s.
+    # The first (10..11 ms) hides; the second (15..16 ms) is exposed: 1 ms of 2 ms.
+    pred = predict_step(profile(), 2, flat(intra=1 * GB), WAKE)
+    assert pred.comm_s == pytest.approx(2e-3)
+    assert pred.exposed_s == pytest.approx(1e-3)
+    assert pred.overlap == pytest.approx(0.5)
+    assert pred.step_s == pytest.approx(5e-3 + 10e-3 + 1e-3 + 1e-3)
+    assert pred.samples_per_s == pytest.approx(2 * 32 / 17e-3)
+    single = predict_step(profile(), 1, flat(intra=1 * GB), WAKE)
+    assert single.step_s == pytest.approx(16e-3) and single.comm_s == 0
+    assert efficiency(pred, single) == pytest.approx(16 / 17)
+
+
+def test_no_overlap_on_cpu_ranks():
+    # Same case, the all-reduces wait for the backward pass to end: both exposed.
+    pred = predict_step(profile(), 2, flat(intra=1 * GB, overlap=False), WAKE)
+    assert pred.exposed_s == pytest.approx(2e-3) and pred.overlap == pytest.approx(0.0)
+
+
+def test_k_micro_batches_by_hand():
+    # k=4: three micro-batches alone (45 ms), the last one's backward 50..60 ms with the same
+    # exposed 1 ms; 4 x 32 x 2 samples per step.
+    pred = predict_step(profile(), 2, flat(intra=1 * GB),
+                        HorovodSettings(cycle_wake=True, fusion_threshold=0,
+                                        backward_passes_per_step=4))
+    assert pred.step_s == pytest.approx(4 * 15e-3 + 1e-3 + 1e-3)
+    assert pred.samples_per_s == pytest.approx(4 * 32 * 2 / 62e-3)
+
+
+def test_fp16_compression_halves_bytes():
+    plain = predict_step(profile(), 2, flat(intra=1 * GB), WAKE)
+    half = predict_step(profile(), 2, flat(intra=1 * GB),
+                        HorovodSettings(cycle_wake=True, fusion_threshold=0, compression="fp16"))
+    assert half.comm_s == pytest.approx(plain.comm_s / 2)
+    assert half.exposed_s == pytest.approx(0.5e-3)
+    with pytest.raises(ValueError, match="compression"):
+        HorovodSettings(compression="int8")
+
+
+def test_plan_recommends_k_when_communication_bound():
+    # 100 MB ready at the very end, 2 ranks at 1 GB/s: 100 ms exposed per 16 ms step.
+    prof = profile(ready_ms=(10.0,), nbytes=10 ** 8)
+    rows = plan(lambda n: prof, flat(intra=1 * GB), [1, 2], WAKE)
+    assert rows[0].efficiency == pytest.approx(1.0)
+    base = rows[1].prediction.samples_per_s
+    assert base == pytest.approx(64 / (16e-3 + 100e-3))
+    recs = {r.setting: r for r in rows[1].recommendations}
+    assert recs["backward_passes_per_step"].value == 8
+    assert recs["backward_passes_per_step"].samples_per_s == pytest.approx(
+        8 * 64 / (8 * 15e-3 + 100e-3 + 1e-3))
+    assert recs["compression"].samples_per_s == pytest.approx(64 / (16e-3 + 50e-3))
+
+
+def test_ranks_list():
+    assert ranks_list(1) == [1]
+    assert ranks_list(8) == [1, 2, 4, 8]
+    assert ranks_list(6) == [1, 2, 4, 6]
+
+
+def test_profile_from_step_time_segments():
+    fc = [("fc", 800)]
+    convs = [("c0", 100), ("c1", 100)]
+    p = measure.profile_from_step_time(0.3, 64, [(fc, 0.1), (convs, 0.9)])
+    assert p.forward_s == pytest.approx(0.1) and p.backward_s == pytest.approx(0.2)
+    assert [g.ready_s for g in p.gradients] == pytest.approx([0.02, 0.11, 0.2])
+    with pytest.raises(ValueError, match="sum to 1"):
+        measure.profile_from_step_time(0.3, 64, [(fc, 0.5)])
+
+
+def test_this_host_from_allreduce_json(tmp_path):
+    path = tmp_path / "allreduce.json"
+    path.write_text(json.dumps({"np": 2, "machine": {"cpu": "x", "cores": 2}, "alpha_beta": {
+        "horovod-mpi": {"alpha_s": 4e-4, "bandwidth_bytes_per_s": 2e9}}}))
+    c = clusters.this_host(path, cores=2)
+    assert (c.ranks_per_host, c.intra_busbw, c.overlap) == (2, 2e9, False)
+    assert c.intra_latency_s == pytest.approx(2e-4)  # alpha over the 2 (N-1) = 2 steps
+    # The fitted line back: t(N=2) = alpha + bytes / B.
+    assert allreduce_seconds(1e6, 2, c) == pytest.approx(4e-4 + 1e6 / 2e9)
+    with pytest.raises(FileNotFoundError, match="allreduce.py"):
+        clusters.this_host(tmp_path / "missing.json")
+
+
+TINY = """
+import torch
+
+def build(batch_size=8):
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    return model, torch.nn.functional.cross_entropy, (torch.randn(batch_size, 16),
+                                                      torch.randint(0, 4, (batch_size,)))
+"""
+
+
+def run_plan(tmp_path, *args):
+    (tmp_path / "tinymodel.py").write_text(TINY)
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, "-m", "hvdtrain.cli", "plan", "--json-out", str(out),
+                           "--repeats", "3", *args], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path,
+                          env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+    return proc, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def test_plan_command_on_a_tiny_user_model(tmp_path):
+    proc, result = run_plan(tmp_path, "--model", "tinymodel:build", "--batch-size", "8",
+                            "--cluster", "custom", "--ranks-per-host", "4", "--intra-gbps",
+                            "10", "--inter-gbps", "1", "--latency-us", "10", "--max-ranks", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert [r["ranks"] for r in result["rows"]] == [1, 2, 4, 8]
+    assert [r["hosts"] for r in result["rows"]] == [1, 1, 1, 2]
+    assert result["rows"][0]["efficiency"] == pytest.approx(1.0)
+    assert all(0 < r["efficiency"] <= 1.0 + 1e-9 for r in result["rows"])
+    # 16*32+32 + 32*4+4 = 676 parameters, 2704 bytes, 4 tensors.
+    assert "0.00 MB of gradients in 4 tensors" in proc.stdout
+    assert "step ms" in proc.stdout and "recommended" in proc.stdout
+
+
+def test_plan_command_this_host_side_by_side(tmp_path):
+    proc, result = run_plan(tmp_path, "--model", "tinymodel:build", "--batch-size", "8",
+                            "--cluster", "this-host", "--allreduce-json",
+                            str(clusters.find_allreduce_json()), "--max-ranks", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert [r["ranks"] for r in result["rows"]] == [1, 2]
+    assert result["settings"]["fusion_threshold"] == 4 * MiB
+    assert result["settings"]["cycle_wake"] is True
+
+
+def test_plan_command_bad_input(tmp_path):
+    proc, _ = run_plan(tmp_path, "--params", "1e6", "--cluster", "pcie-25gbe")
+    assert proc.returncode == 2
+    assert "--params needs --step-time-ms or --throughput" in proc.stderr
+    proc, _ = run_plan(tmp_path, "--cluster", "custom", "--step-time-ms", "5")
+    assert proc.returncode == 2 and "--cluster custom needs --ranks-per-host" in proc.stderr
+
+
+def test_plan_command_from_a_published_throughput(tmp_path):
+    proc, result = run_plan(tmp_path, "--params", "25.6e6", "--throughput", "219",
+                            "--batch-size", "64", "--cluster", "pcie-25gbe", "--max-ranks", "16")
+    assert proc.returncode == 0, proc.stderr
+    assert [r["hosts"] for r in result["rows"]] == [1, 1, 1, 2, 4]
+    effs = [r["efficiency"] for r in result["rows"]]
+    assert effs[0] == pytest.approx(1.0) and effs[-1] < 1.0
