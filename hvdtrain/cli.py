@@ -336,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dirs", nargs="+", help="output directories of hvdtrain train")
     report.add_argument("--json-out", help="also write the rows as JSON to this file")
     report.set_defaults(func=cmd_report)
+    from hvdtrain.scaling.cli import add_parser as add_plan_parser  # hvdtrain plan (#40)
+    add_plan_parser(sub)
     return parser
 
 
