@@ -41,6 +41,7 @@ exclude_patterns = [
     "_ext",
     "_inventories",
     "gpu-check",  # raw evidence files (text) of `make gpu-check`, linked from stack.md
+    "reference/generated",  # tables that reference pages {include} (docs/_ext/schema_pages.py)
     "**/README.md",
 ]
 nitpicky = True

@@ -4,6 +4,9 @@
   :mod:`hvdtrain.keras.optimizer`) resolve to the object of that name nearest to the module they
   are written in (:func:`resolve_short_name`): Python's domain resolves a bare name only inside
   its own module and class.
+- A reference to a private name, or to a name its module leaves out of ``__all__``, is shown as
+  code without a link (the reference does not document it); a name the source does not define
+  is still an error.
 - ``hvdtrain.keras.callbacks``, the function that :mod:`hvdtrain.keras` re-exports, shares its
   name with the module :mod:`hvdtrain.keras.callbacks`: the API reference keeps the module.
 - The benchmark pages (docs/benchmarks/generated/) are written from benchmarks/results/*.json
@@ -14,7 +17,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from docutils import nodes
 from sphinx.util import logging
 from sphinx.util.nodes import make_refnode
 
@@ -66,8 +68,6 @@ def _missing_reference(app, env, node, contnode):
         here = f"{here}.{node['py:class']}" if here else node["py:class"]
     if not (here.startswith("hvdtrain") or target.startswith("hvdtrain")):
         return None
-    if target.rpartition(".")[2].startswith("_"):
-        return contnode  # a private name: not in the reference, shown as code
     kinds = set(domain.objtypes_for_role(node.get("reftype", "")) or ())
     names = [name for name, entry in domain.objects.items()
              if name.startswith("hvdtrain") and entry.objtype in kinds]
@@ -78,6 +78,11 @@ def _missing_reference(app, env, node, contnode):
         prefix, _, last = target.rpartition(".")
         name = resolve_short_name(last, prefix if prefix.startswith("hvdtrain") else here, names)
     if name is None:
+        # A name the source defines but the reference leaves out (not in its module's __all__):
+        # shown as code, without a link. A name the source does not define still fails.
+        defined = [n for n in getattr(env, "autoapi_all_objects", {}) if n.startswith("hvdtrain")]
+        if resolve_short_name(target, here, defined) is not None:
+            return contnode
         return None
     entry = domain.objects[name]
     return make_refnode(app.builder, node["refdoc"], entry.docname, entry.node_id, contnode, name)
@@ -109,7 +114,8 @@ def _skip_member(app, what, name, obj, skip, options):
 
 def _generate(app):
     benchmark_pages.write_pages(ROOT / "benchmarks", DOCS / "benchmarks" / "generated")
-    schema_pages.write_pages(ROOT, DOCS / "reference" / "generated")
+    for problem in schema_pages.write_pages(ROOT, DOCS / "reference" / "generated"):
+        log.warning(problem, type="hvdtrain", subtype="schema")
 
 
 def setup(app):
