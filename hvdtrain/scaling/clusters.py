@@ -10,13 +10,16 @@ measurements of a given machine: pass ``--intra-gbps``/``--inter-gbps``/``--late
 measure with ``benchmarks/allreduce.py`` for yours.
 
 ``this-host`` is this machine, from the all-reduce times ``benchmarks/allreduce.py`` measured
-(its committed ``benchmarks/results/allreduce.json``, Horovod over MPI at np=2): the fitted
-latency and bandwidth of ``t = alpha + bytes / B``; ranks per host = its cores; no overlap (CPU
+(its committed ``benchmarks/results/allreduce.json``, Horovod over MPI at np=2 with a 0.1 ms
+cycle, the closest to hvdtrain's CPU settings): all-reduce times interpolated from the measured
+sizes (a CPU host's bandwidth depends on the size: 3.4 GB/s at 4-16 MiB, 2.1 at 64 MiB), with
+``t = alpha + bytes / B`` fitted for the latency; ranks per host = its cores; no overlap (CPU
 ranks compute and communicate on the same cores).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -62,6 +65,8 @@ PRESETS: dict[str, Cluster] = {
         "GPU)"),
 }
 
+# benchmarks/allreduce.py's series -> the Horovod cycle time it ran with, seconds.
+SERIES_CYCLE_S = {"horovod-mpi": 1e-3, "horovod-mpi-cycle0.1": 1e-4, "horovod-gloo": 1e-3}
 ALLREDUCE_JSON = Path("benchmarks") / "results" / "allreduce.json"
 
 
@@ -73,11 +78,15 @@ def find_allreduce_json(path: str | os.PathLike | None = None) -> Path | None:
     return next((p for p in candidates if p.is_file()), None)
 
 
-def this_host(allreduce_json: str | os.PathLike | None = None, impl: str = "horovod-mpi",
+def this_host(allreduce_json: str | os.PathLike | None = None,
+              impl: str = "horovod-mpi-cycle0.1",
               cores: int | None = None) -> Cluster:
-    """This machine as a :class:`Cluster` from ``benchmarks/allreduce.py``'s fitted
-    ``alpha_beta`` of ``impl`` (``alpha_s``: the per-call latency, split over the ring's
-    ``2 (N-1)`` steps; ``bandwidth_bytes_per_s``: measured at np=2, where busbw = algbw).
+    """This machine as a :class:`Cluster` from ``benchmarks/allreduce.py``'s measured times of
+    ``impl`` (``seconds``: ``{bytes: s}`` at ``np`` ranks): interpolated per size
+    (``intra_table``), and ``t = alpha + bytes / B`` fitted (:func:`fit_alpha_beta`; alpha less
+    the series' cycle time split over the ring's ``2 (N-1)`` steps and the negotiation's
+    ``2 ceil(log2 N)`` as the per-step latency). A file with only the
+    ``alpha_beta`` summary gives that fit and no table.
 
     Raises:
         FileNotFoundError: no results file (run ``benchmarks/allreduce.py``, or give
@@ -90,16 +99,53 @@ def this_host(allreduce_json: str | os.PathLike | None = None, impl: str = "horo
             "this-host needs benchmarks/results/allreduce.json (run benchmarks/allreduce.py), "
             "or pass --cluster custom with --intra-gbps and --latency-us")
     data = json.loads(found.read_text())
-    fit = data["alpha_beta"][impl]
     ranks = int(data.get("np", 2))
+    table: tuple = ()
+    if "seconds" in data and impl in data["seconds"]:
+        measured = {int(k): float(v) for k, v in data["seconds"][impl].items()}
+        alpha, bw = fit_alpha_beta(measured)
+        table = tuple(sorted(measured.items()))
+    else:
+        fit = data["alpha_beta"][impl]
+        alpha, bw = float(fit["alpha_s"]), float(fit["bandwidth_bytes_per_s"])
     cores = cores or os.cpu_count() or 1
-    latency = float(fit["alpha_s"]) / (2 * (ranks - 1))
-    bw = float(fit["bandwidth_bytes_per_s"])
+    # The fitted alpha holds the wait for Horovod's next cycle (the series' cycle time, which
+    # the model adds itself), the negotiation (2 ceil(log2 N) latencies) and the ring's
+    # 2 (N-1) steps: the per-step latency is what is left, shared out.
+    cycle_s = SERIES_CYCLE_S.get(impl, 0.0)
+    steps = 2 * (ranks - 1) + 2 * math.ceil(math.log2(ranks))
+    latency = max(0.0, alpha - cycle_s) / steps
     machine = data.get("machine", {})
     return Cluster("this-host", cores, bw, latency, bw, latency, False,
                    f"{found.name}: {impl} at np={ranks} on {machine.get('cpu', '?')} "
-                   f"({machine.get('cores', '?')} cores): alpha {fit['alpha_s'] * 1e3:.3f} ms, "
-                   f"{bw / GB:.2f} GB/s; CPU ranks: no overlap")
+                   f"({machine.get('cores', '?')} cores): alpha {alpha * 1e3:.3f} ms, "
+                   f"{bw / GB:.2f} GB/s (fit), times interpolated from the measured sizes; "
+                   "CPU ranks: no overlap", table, ranks)
+
+
+def fit_alpha_beta(seconds: dict[int, float]) -> tuple[float, float]:
+    """Fit ``t = alpha + bytes / B`` to measured all-reduce times ``{bytes: seconds}`` by least
+    squares on the relative error (weights ``1 / t^2``, so that 4 KiB and 64 MiB count alike).
+
+    Returns:
+        ``(alpha s, B bytes/s)``; alpha clipped at 0.
+
+    Raises:
+        ValueError: fewer than two sizes, or times that do not grow with size.
+    """
+    if len(seconds) < 2:
+        raise ValueError("need all-reduce times of at least two sizes to fit")
+    w = {x: 1 / t ** 2 for x, t in seconds.items()}
+    sw = sum(w.values())
+    sx = sum(w[x] * x for x in seconds)
+    sy = sum(w[x] * t for x, t in seconds.items())
+    sxx = sum(w[x] * x * x for x in seconds)
+    sxy = sum(w[x] * x * t for x, t in seconds.items())
+    slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
+    if slope <= 0:
+        raise ValueError("all-reduce times do not grow with size: cannot fit a bandwidth")
+    alpha = max(0.0, (sy - slope * sx) / sw)
+    return alpha, 1 / slope
 
 
 def custom(ranks_per_host: int, intra_gbps: float, inter_gbps: float, latency_us: float,

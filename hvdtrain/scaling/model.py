@@ -92,6 +92,11 @@ class Cluster:
         overlap: the all-reduce can run while the backward pass computes (GPU ranks: the
             collectives use copy engines/NICs; CPU ranks: the same cores do both, so no).
         source: where the figures come from.
+        intra_table: measured one-host all-reduce times ``((bytes, seconds), ...)`` at
+            ``table_ranks`` ranks, ascending; when given, one-host all-reduces are interpolated
+            from it (linearly in bytes, the last segment extended) instead of the ring formula,
+            since a CPU host's bandwidth depends on the size (caches).
+        table_ranks: the rank count the table was measured at.
     """
     name: str
     ranks_per_host: int
@@ -101,6 +106,8 @@ class Cluster:
     inter_latency_s: float
     overlap: bool = True
     source: str = ""
+    intra_table: tuple[tuple[int, float], ...] = ()
+    table_ranks: int = 2
 
 
 @dataclass(frozen=True)
@@ -170,6 +177,10 @@ def allreduce_seconds(nbytes: float, ranks: int, cluster: Cluster,
     side by side on the host's link (``2 (H-1)/H x nbytes / inter + 2 (H-1) x inter_latency``).
     """
     hosts, local = layout(ranks, cluster.ranks_per_host)
+    if hosts == 1 and cluster.intra_table and ranks > 1:
+        # The measured curve, its ring factor 2 (N-1)/N rescaled from the table's N.
+        scale = ((ranks - 1) / ranks) / ((cluster.table_ranks - 1) / cluster.table_ranks)
+        return interpolate(cluster.intra_table, nbytes) * scale
     if hosts == 1:
         return ring_allreduce_seconds(nbytes, ranks, cluster.intra_busbw, cluster.intra_latency_s)
     if hierarchical and local > 1:
@@ -179,6 +190,18 @@ def allreduce_seconds(nbytes: float, ranks: int, cluster: Cluster,
         return inside + across
     return ring_allreduce_seconds(nbytes, ranks, min(cluster.intra_busbw, cluster.inter_bw),
                                   cluster.inter_latency_s)
+
+
+def interpolate(table: tuple[tuple[int, float], ...], x: float) -> float:
+    """Piecewise-linear ``y(x)`` through ``table`` (ascending x): below the first point its
+    value, above the last the last segment extended."""
+    if x <= table[0][0] or len(table) == 1:
+        return table[0][1]
+    for (x0, y0), (x1, y1) in zip(table, table[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = table[-2], table[-1]
+    return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
 
 
 def negotiation_seconds(ranks: int, cluster: Cluster) -> float:

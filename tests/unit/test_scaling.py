@@ -143,16 +143,29 @@ def test_profile_from_step_time_segments():
 
 
 def test_this_host_from_allreduce_json(tmp_path):
+    # Times on the line t = 0.3 ms + bytes / 2 GB/s, measured with a 0.1 ms cycle at np=2.
+    sizes = (10 ** 6, 4 * 10 ** 6, 16 * 10 ** 6)
     path = tmp_path / "allreduce.json"
-    path.write_text(json.dumps({"np": 2, "machine": {"cpu": "x", "cores": 2}, "alpha_beta": {
-        "horovod-mpi": {"alpha_s": 4e-4, "bandwidth_bytes_per_s": 2e9}}}))
+    path.write_text(json.dumps({"np": 2, "machine": {"cpu": "x", "cores": 2}, "seconds": {
+        "horovod-mpi-cycle0.1": {str(b): 3e-4 + b / 2e9 for b in sizes}}}))
     c = clusters.this_host(path, cores=2)
-    assert (c.ranks_per_host, c.intra_busbw, c.overlap) == (2, 2e9, False)
-    assert c.intra_latency_s == pytest.approx(2e-4)  # alpha over the 2 (N-1) = 2 steps
-    # The fitted line back: t(N=2) = alpha + bytes / B.
-    assert allreduce_seconds(1e6, 2, c) == pytest.approx(4e-4 + 1e6 / 2e9)
+    assert (c.ranks_per_host, c.overlap) == (2, False)
+    assert c.intra_busbw == pytest.approx(2e9)
+    # alpha less the 0.1 ms cycle, over 2 ring steps + 2 negotiation steps.
+    assert c.intra_latency_s == pytest.approx((3e-4 - 1e-4) / 4)
+    # One-host all-reduces come from the measured table: between points, and beyond the last.
+    assert allreduce_seconds(2 * 10 ** 6, 2, c) == pytest.approx(3e-4 + 1e-3)
+    assert allreduce_seconds(32 * 10 ** 6, 2, c) == pytest.approx(3e-4 + 16e-3)
     with pytest.raises(FileNotFoundError, match="allreduce.py"):
         clusters.this_host(tmp_path / "missing.json")
+
+
+def test_fit_alpha_beta_and_interpolate():
+    alpha, bw = clusters.fit_alpha_beta({4096: 1e-4 + 4096 / 1e9, 2 ** 26: 1e-4 + 2 ** 26 / 1e9})
+    assert (alpha, bw) == (pytest.approx(1e-4), pytest.approx(1e9))
+    from hvdtrain.scaling.model import interpolate
+    table = ((0, 0.0), (10, 1.0), (20, 3.0))
+    assert [interpolate(table, x) for x in (-1, 5, 15, 30)] == pytest.approx([0, 0.5, 2.0, 5.0])
 
 
 TINY = """
