@@ -57,7 +57,7 @@ examples:
 
 what it runs, e.g. (on a host without GPUs, whose ranks share its cores):
   $ hvdtrain launch --dry-run --hostfile hostfiles/two-hosts.txt -np 4 -- hvdtrain train
-  horovodrun -np 4 --hostfile hostfiles/two-hosts.txt '--mpi-args=--mca mpi_yield_when_idle 1 --mca odls_base_sigkill_timeout 60' hvdtrain train"""
+  horovodrun -np 4 --hostfile hostfiles/two-hosts.txt '--mpi-args=--mca mpi_yield_when_idle 1' hvdtrain train"""
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):

@@ -16,9 +16,6 @@ from hvdtrain.launch.signals import LAUNCH_ID_VAR, new_launch_id
 from hvdtrain.launch.tuning import (LAUNCH_CHOICES_VAR, YIELD_MCA, horovod_knobs, launch_tuning,
                                     visible_gpus)
 
-# Seconds Open MPI's mpirun waits between handing SIGTERM to the ranks and SIGKILLing them
-# (its default: 1); Slurm's KillWait and Kubernetes' grace period default to 30 s.
-SIGKILL_MCA, SIGKILL_AFTER_S = "odls_base_sigkill_timeout", "60"
 # `hvdtrain launch` options that set a Horovod variable, for the ranks' record of who chose it.
 _KNOB_OPTIONS = {"HOROVOD_FUSION_THRESHOLD": "--fusion-threshold-mb",
                  "HOROVOD_CYCLE_TIME": "--cycle-time-ms", "HOROVOD_AUTOTUNE": "--autotune"}
@@ -226,11 +223,6 @@ def plan(args, env: dict[str, str] | None = None, gpus: int | None = None) -> La
             reason += f"; --mca {YIELD_MCA}={user_mca[YIELD_MCA]} overrides this"
         notes.append(reason)
         yield_reason = reason
-    if tuning is not None and args.launcher != "srun":
-        # mpirun answers SIGTERM (scancel signals every process of the job, mpirun included) by
-        # handing it to the ranks and SIGKILLing them 1 s later: give them time to checkpoint.
-        # (Shown in the command line; Slurm's KillWait still SIGKILLs after its 30 s.)
-        tuning[SIGKILL_MCA] = SIGKILL_AFTER_S
     tuning = tuning or {}
     mca = {**tuning, **user_mca}
     # What the launch says the ranks get, they get, whatever their launcher forwards and whatever

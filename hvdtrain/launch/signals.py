@@ -28,6 +28,10 @@ kill it before the ranks are done. SIGINT (Ctrl-C) stops the job: it goes to the
 process group (``horovodrun`` over MPI is ``/bin/sh -c mpirun ...``, and a shell does not pass it
 on) and to every rank; whatever still runs :data:`INTERRUPT_GRACE_S` seconds later is killed.
 
+``mpirun`` (also under ``horovodrun`` over MPI) is started with SIGTERM blocked, so that a
+SIGTERM sent to every process of the job (Slurm's ``scancel``) does not make it SIGKILL the ranks
+a second later, before their checkpoint; Open MPI unblocks every signal in the ranks it starts.
+
 Run as ``python -m hvdtrain.launch.signals --signal TERM --launch-id ID`` it signals this host's
 ranks of that launch and prints how many it signalled.
 """
@@ -251,6 +255,14 @@ class RankSignals:
         self.proc: subprocess.Popen | None = None
         self.delivered: list[tuple[str, int]] = []  # (signal name, local ranks signalled)
         self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        # mpirun (also under horovodrun without --gloo or --elastic) answers SIGTERM by handing
+        # it to the ranks and SIGKILLing them 1 s later (odls_base_sigkill_timeout), before a
+        # step and its checkpoint are done; and scancel signals every process of the job, mpirun
+        # included. Started with SIGTERM blocked, mpirun never acts on it (the ranks get it from
+        # the sender or from here): Open MPI unblocks every signal in the ranks it starts.
+        self.blocks_sigterm = launcher == "mpirun" or (
+            launcher == "horovodrun" and not {"--gloo", "--host-discovery-script"} & set(argv))
 
     def _remote_hosts(self) -> list[str]:
         hosts = self.hosts() if callable(self.hosts) else self.hosts
@@ -280,7 +292,8 @@ class RankSignals:
         then, to the launcher."""
         if self.proc is None:
             return
-        if self.launcher == "srun":
+        if self.launcher == "srun":  # srun hands it to its tasks: once this host's catch it
+            self._wait_until_caught(sig)
             self._to_launcher(sig)
             return
         with self._lock:  # one delivery at a time (a second signal waits for the first)
@@ -291,8 +304,21 @@ class RankSignals:
             print(f"hvdtrain: {name}: handed to {local} rank(s) on this host{where}"
                   + ("" if local or found else "; none runs, so to the launcher"),
                   file=sys.stderr, flush=True)
-            if not (local or found):
-                self._to_launcher(sig)
+            if not (local or found):  # (an mpirun with SIGTERM blocked acts on SIGINT)
+                self._to_launcher(signal.SIGINT if self.blocks_sigterm and
+                                  sig == signal.SIGTERM else sig)
+
+    def _wait_until_caught(self, sig: int) -> None:
+        """Up to ``hold_s``: until this host's ranks exist and all catch ``sig`` (none here after
+        3 s: the tasks run on other hosts, srun's business)."""
+        started = time.monotonic()
+        while time.monotonic() - started < self.hold_s and self.proc.poll() is None:
+            pids = rank_pids(self.launch_id, inherited=self.inherited)
+            if pids and all(catches(pid, sig) is not False for pid in pids):
+                return
+            if not pids and time.monotonic() - started > 3:
+                return
+            time.sleep(0.05)
 
     def interrupt(self) -> None:
         """Ctrl-C: SIGINT to the launcher's process group and to every rank; whatever of the
@@ -325,17 +351,32 @@ class RankSignals:
             pass
 
     def _in_thread(self, target, *args) -> None:
-        threading.Thread(target=target, args=args, daemon=True).start()
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def start(self) -> subprocess.Popen:
+        """Start the launcher in its own session; an MPI launcher with SIGTERM blocked
+        (:attr:`blocks_sigterm`)."""
+        blocked = {signal.SIGTERM} if self.blocks_sigterm else set()
+        self.proc = subprocess.Popen(
+            self.argv, env=self.env, start_new_session=True,
+            preexec_fn=(lambda: signal.pthread_sigmask(signal.SIG_BLOCK, blocked))
+            if blocked else None)
+        return self.proc
 
     def run(self) -> int:
         """Start the launcher, hand signals on until it exits, return its exit status."""
-        self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
+        self.start()
         previous = {sig: signal.signal(sig, lambda signum, frame: self._in_thread(
             self.deliver, signum)) for sig in FORWARDED}
         previous[signal.SIGINT] = signal.signal(
             signal.SIGINT, lambda signum, frame: self._in_thread(self.interrupt))
         try:
-            return self.proc.wait()
+            code = self.proc.wait()
+            for thread in self._threads:  # a delivery under way finishes (and says so)
+                thread.join(timeout=self.hold_s + 35)
+            return code
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

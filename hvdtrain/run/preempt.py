@@ -101,6 +101,9 @@ class Preemption:
         if self.enabled and not self._previous:
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
+            # A launcher that blocks SIGTERM for itself (hvdtrain launch's mpirun) and starts
+            # ranks without unblocking it would otherwise leave it pending here for good.
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -160,7 +160,7 @@ def test_sigterm_checkpoints_without_requeue_and_a_resubmission_resumes(slurm_cl
 def test_scancel_of_a_job_launched_with_mpirun_ends_in_a_stop_checkpoint(slurm_cluster, tmp_path):
     # scancel signals every process of the job, mpirun included; mpirun hands SIGTERM to the
     # ranks and (Open MPI's default) SIGKILLs them 1 s later, before a step of 1.5 s and its
-    # checkpoint are done. hvdtrain launch gives mpirun a longer wait (odls_base_sigkill_timeout).
+    # checkpoint are done. hvdtrain launch starts mpirun with SIGTERM blocked.
     out = tmp_path / "drill"
     job = submit({**slurm_cluster, "HVDTRAIN_LAUNCHER": "mpirun"}, tmp_path, out,
                  "--framework", "torch", *DRILL, "--fault-slow-from", "75:1.5", "--no-requeue")

@@ -252,17 +252,47 @@ def test_yield_off_is_what_the_ranks_get_and_their_record_says_who(launcher):
     assert own["OMPI_MCA_mpi_yield_when_idle"]["by"] == "hvdtrain"
 
 
-def test_mpirun_gives_the_ranks_time_to_checkpoint_after_sigterm(tmp_path):
+@pytest.mark.parametrize("launch,blocked", [
+    (["mpirun", "-np", "2"], True), (["horovodrun", "-np", "2"], True),
+    (["horovodrun", "--gloo", "-np", "2"], False), (["srun", "-n", "2"], False)])
+def test_mpirun_never_acts_on_sigterm_and_its_ranks_do(tmp_path, launch, blocked):
+    # scancel signals every process of the job, mpirun included; mpirun hands SIGTERM to the
+    # ranks and SIGKILLs them 1 s later (odls_base_sigkill_timeout; a longer one also delays the
+    # end of a job whose rank failed, by twice its value). Started with SIGTERM blocked, mpirun
+    # never acts on it; Open MPI unblocks every signal in the ranks it starts.
+    runner = signals.RankSignals(launch, {}, launch[0])
+    assert runner.blocks_sigterm == blocked
+
+
+def test_a_launcher_with_sigterm_blocked_lets_its_ranks_finish(tmp_path):
+    rank = tmp_path / "rank.py"
+    rank.write_text("import signal, sys, time\n"
+                    "def term(*_):\n    time.sleep(2)\n    sys.exit(75)\n"
+                    "signal.signal(signal.SIGTERM, term)\n"
+                    f"open({str(tmp_path / 'ready')!r}, 'w').close()\n"
+                    "time.sleep(30)\n")
     hosts = tmp_path / "hosts"
-    hosts.write_text("localhost slots=2\n")
-    p = plan(launch_args(hostfile=str(hosts), launcher="mpirun"), env={"PATH": "/usr/bin"},
-             gpus=0)
-    at = p.argv.index("odls_base_sigkill_timeout")
-    assert p.argv[at - 1] == "-mca" and int(p.argv[at + 1]) >= 30
-    p = plan(launch_args(hostfile=str(hosts)), env={"PATH": "/usr/bin"}, gpus=0)
-    assert any("--mca odls_base_sigkill_timeout" in a for a in p.argv)  # horovodrun's mpirun
-    p = plan(launch_args(hostfile=str(hosts), gloo=True), env={"PATH": "/usr/bin"}, gpus=0)
-    assert not any("odls_base_sigkill_timeout" in a for a in p.argv)
+    hosts.write_text("localhost slots=1\n")
+    launch = plan(launch_args(hostfile=str(hosts), launcher="mpirun",
+                              command=["--", sys.executable, str(rank)]),
+                  env={**os.environ}, gpus=0)
+    runner = signals.RankSignals(launch.argv, launch.env, "mpirun")
+    proc = runner.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "ready").exists():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        status = open(f"/proc/{proc.pid}/status").read()
+        assert int(status.split("SigBlk:")[1].split()[0], 16) >> (signal.SIGTERM - 1) & 1
+        ranks = signals.rank_pids(runner.launch_id)
+        assert len(ranks) == 1
+        for pid in [proc.pid, *ranks]:  # as scancel does
+            os.kill(pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 75  # the rank's own status: its 2 s handler finished
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_a_signal_before_the_run_starts_is_kept_for_its_first_step():
