@@ -26,6 +26,7 @@ from hvdtrain import runtime, schedule
 from hvdtrain.launch import tuning
 from hvdtrain.accumulation import check_distribute_args
 from hvdtrain.torch.buffers import dense_layout_tensors_, convert_sync_batchnorm
+from hvdtrain.torch.optimizer import DenseLayout, accept_ddp_idioms
 # Also importable from here (the trainers call adapter.allreduce_sums, ...).
 from hvdtrain.torch.collectives import (all_finite, allreduce_sums, micro_batches,  # noqa: F401
                                         ranks_where)
@@ -178,32 +179,6 @@ def broadcast_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     _broadcast_tensors_(tensors, root_rank)
 
 
-class _DenseLayout:
-    """A Horovod gradient compressor (``compress``/``decompress``) around another one that lets
-    gradients in any dense memory format through, e.g. ``torch.channels_last``: Horovod's
-    all-reduce wants contiguous tensors (``ValueError: Tensor is required to be contiguous.``).
-    A non-contiguous gradient is all-reduced through a contiguous copy (the ranks' layouts are
-    equal, so element i is element i everywhere), and the result comes back in the gradient's
-    own layout; contiguous gradients pass untouched, with no copy."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def compress(self, tensor: torch.Tensor):
-        """``(tensor to send, context)``: a contiguous copy for a non-contiguous tensor."""
-        if tensor.is_contiguous():
-            compressed, ctx = self.inner.compress(tensor)
-            return compressed, (None, ctx)
-        compressed, ctx = self.inner.compress(tensor.contiguous())
-        return compressed, (tensor, ctx)
-
-    def decompress(self, tensor: torch.Tensor, ctx) -> torch.Tensor:
-        """The reduced tensor, in the memory format of the tensor given to :meth:`compress`."""
-        like, inner_ctx = ctx
-        out = self.inner.decompress(tensor, inner_ctx)
-        return out if like is None else torch.empty_like(like).copy_(out)
-
-
 def _scale_groups(optimizer: torch.optim.Optimizer, factor: float) -> None:
     """Set each group's ``lr`` to its base rate x ``factor`` and record both.
 
@@ -274,7 +249,8 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
        ``backward_passes_per_step=k``, ``compression`` and ``op``: gradients are all-reduced
        (averaged over ranks) once every k backward passes, at ``optimizer.step()``; gradients in
        any dense memory format (``torch.channels_last`` models) are all-reduced through a
-       contiguous copy and keep their format (:class:`_DenseLayout`). Scale each
+       contiguous copy and keep their format
+       (:class:`~hvdtrain.torch.optimizer.DenseLayout`). Scale each
        micro-batch loss by :class:`MicroBatch` ``.loss_weight`` (see :func:`micro_batches`) so that
        a step is the mean over the global batch of ``local batch x k x size`` samples. The
        wrapper shares the optimizer's param-group dicts (as plain Horovod does), so a scheduler
@@ -285,9 +261,17 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
 
     Several models (a GAN's generator and discriminator, a teacher and a student): call
     ``distribute`` once per model and optimizer, in the same order on every rank; each call's
-    gradients are all-reduced under names of their own (:func:`tensor_prefix`). In a GAN's
-    generator step, freeze the discriminator (``D.requires_grad_(False)``) as with DDP, or its
-    optimizer finds all-reduces in flight at its next ``zero_grad``.
+    gradients are all-reduced under names of their own (:func:`tensor_prefix`).
+
+    Gradients between ``backward()`` and ``step()`` follow DDP's rules (op ``"average"``;
+    :mod:`hvdtrain.torch.optimizer`): several backward passes before a step are all summed
+    (DCGAN's ``errD_real.backward(); errD_fake.backward()``: each pass past the k-th all-reduces
+    again, as under DDP; sum the losses for one all-reduce), and gradients may be zeroed while
+    their all-reduce is in flight (``optimizer.zero_grad()``, ``module.zero_grad()``: a GAN's
+    discriminator gets gradients in the generator step and zeroes them at its next step; no need
+    to freeze it). Changing a gradient in place in that window raises ``RuntimeError`` (e.g.
+    ``zero_grad(set_to_none=False)`` on the module, or clipping before
+    ``optimizer.synchronize()``).
 
     With ``op="adasum"`` (Maleki et al. 2020) Horovod's Adasum optimizer combines each rank's
     *update* inside ``step()``; it has no ``synchronize()``/``skip_synchronize()``, so call
@@ -362,7 +346,7 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     named = [(prefix + n, p) for n, p in model.named_parameters() if id(p) in opt_params]
     wrapped = hvd.DistributedOptimizer(
         optimizer, named_parameters=named,
-        compression=_DenseLayout(_COMPRESSIONS[compression]),
+        compression=DenseLayout(_COMPRESSIONS[compression]),
         backward_passes_per_step=backward_passes_per_step, op=_OPS[op],
         gradient_predivide_factor=gradient_predivide_factor)
     # Groups added later (add_param_group) take these options: the scaled rate, as the groups
@@ -371,6 +355,8 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     if "lr" in optimizer.defaults:
         wrapped.defaults["lr"] = optimizer.defaults["lr"] * factor
     wrapped.late_name_prefix = prefix
+    if op == "average":  # Horovod's Adasum optimizer keeps its own rules
+        accept_ddp_idioms(wrapped)
     # Horovod builds a new optimizer over the same param-group dicts but with empty
     # per-parameter state (momentum buffers, Adam moments, step counts), e.g. of an optimizer
     # just loaded from a checkpoint: carry it over. (load_state_dict would replace the group

@@ -83,7 +83,7 @@ def test_torch_and_keras_have_the_same_files():
     root = Path(ht.__file__).parent.parent
     torch_files = {p.name for p in (root / "torch").glob("*.py")}
     keras_files = {p.name for p in (root / "keras").glob("*.py")}
-    keras_extra = {"callbacks.py", "optimizer.py", "sharding.py",
+    keras_extra = {"callbacks.py", "sharding.py",
                    "trainer_callbacks.py", "xla.py"}
     torch_extra = {"buffers.py"}
     assert torch_files - torch_extra == keras_files - keras_extra
