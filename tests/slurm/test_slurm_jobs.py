@@ -159,17 +159,17 @@ def test_sigterm_checkpoints_without_requeue_and_a_resubmission_resumes(slurm_cl
 
 def test_scancel_of_a_job_launched_with_mpirun_ends_in_a_stop_checkpoint(slurm_cluster, tmp_path):
     # scancel signals every process of the job, mpirun included; mpirun hands SIGTERM to the
-    # ranks and (Open MPI's default) SIGKILLs them 1 s later, before a step of 1.5 s and its
+    # ranks and (Open MPI's default) SIGKILLs them 1 s later, before a step of 3 s and its
     # checkpoint are done. hvdtrain launch starts mpirun with SIGTERM blocked.
     out = tmp_path / "drill"
     job = submit({**slurm_cluster, "HVDTRAIN_LAUNCHER": "mpirun"}, tmp_path, out,
-                 "--framework", "torch", *DRILL, "--fault-slow-from", "75:1.5", "--no-requeue")
+                 "--framework", "torch", *DRILL, "--fault-slow-from", "75:3", "--no-requeue")
     deadline = time.monotonic() + TIMEOUT
     while not (out / "metrics.json").exists():  # epoch 1 is done
         assert time.monotonic() < deadline and job_state(slurm_cluster, job)[0] in (
             "PENDING", "RUNNING")
         time.sleep(0.05)
-    time.sleep(0.3)  # into epoch 2, whose steps take 1.5 s
+    time.sleep(0.3)  # into epoch 2, whose steps take 3 s
     run(["scancel", job], slurm_cluster, tmp_path)
     state, restarts = wait_state(slurm_cluster, job, {"COMPLETED", "FAILED", "CANCELLED"})
     stopped = metrics(out)["preempted"]
