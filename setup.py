@@ -40,6 +40,10 @@ setup(
         "digits": ["scikit-learn>=1.4"],  # the demo dataset (--dataset digits)
         "test": ["pytest>=8", "scikit-learn>=1.4"],
         "bench": ["matplotlib>=3.8"],
+        # The engines (hvdtrain.spark, hvdtrain.ray; docs/engines/): needed on the driver and
+        # on every executor / worker node, beside Horovod.
+        "spark": ["pyspark>=3.5"],
+        "ray": ["ray[train]>=2.50"],
     },
     entry_points={"console_scripts": ["hvdtrain=hvdtrain.cli:main"]},
 )

@@ -93,6 +93,9 @@ class RunHeader:
     preempted: dict | None = None
     diverged: str | None = None
     nonfinite_stop: str | None = None
+    # The engine that scheduled the ranks where not a launcher (horovodrun, mpirun, srun):
+    # "spark", "spark-driver", "ray" (HVDTRAIN_ENGINE, set by hvdtrain.spark / hvdtrain.ray).
+    engine: str | None = None
 
 
 def run_header(framework: str, cfg, info, train_samples: int, test_samples: int,
@@ -127,6 +130,9 @@ def run_header(framework: str, cfg, info, train_samples: int, test_samples: int,
                  ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in cfg.recipe.items()))
     if info.horovod_settings:
         log.info("Horovod settings: %s", tuning.describe_settings(info.horovod_settings))
+    engine = os.environ.get("HVDTRAIN_ENGINE") or None
+    if engine:
+        log.info("engine: %s (ranks scheduled by %s)", engine, engine.split("-")[0].capitalize())
     return asdict(RunHeader(
         framework=framework, dataset=cfg.dataset, size=info.size, hosts=info.hosts,
         local_batch=cfg.batch_size, backward_passes_per_step=k,
@@ -135,7 +141,8 @@ def run_header(framework: str, cfg, info, train_samples: int, test_samples: int,
         steps_per_epoch=steps_per_epoch, train_samples=train_samples, test_samples=test_samples,
         threads_per_rank=info.threads, device=info.device, precision=cfg.precision,
         horovod_settings=info.horovod_settings, config=cfg.to_dict(), versions=dict(versions),
-        large_batch_warning=warning, elastic=bool(cfg.elastic), recipe=dict(cfg.recipe)))
+        large_batch_warning=warning, elastic=bool(cfg.elastic), recipe=dict(cfg.recipe),
+        engine=engine))
 
 
 def setup_logging(rank: int) -> None:

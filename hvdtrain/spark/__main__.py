@@ -1,0 +1,128 @@
+"""Run a command as Horovod ranks on Spark tasks: ``horovodrun`` for a Spark cluster.
+
+    python -m hvdtrain.spark --master spark://HOST:7077 -np 2 -- \\
+        hvdtrain train --framework torch --dataset mnist --output-dir /shared/runs/mnist
+
+    spark-submit --master spark://HOST:7077 \\
+        "$(python -c 'import hvdtrain.spark.__main__ as m; print(m.__file__)')" -np 2 -- \\
+        hvdtrain train --framework torch --dataset mnist --output-dir /shared/runs/mnist
+
+    python -m hvdtrain.spark -np -2 -- hvdtrain train ...   # 2 processes on this machine
+
+Each rank is a child of one task of a barrier stage; rank 0's output comes back here. The
+``--output-dir`` must be a path every executor reaches (rank 0 writes ``metrics.json``,
+TensorBoard and checkpoints there). ``hvdtrain train`` options are checked here before Spark
+starts. Exit status: 0 when every rank succeeded; rank 0's status when a rank failed (else the
+first failing rank's); 1 when a task was lost; 2 on bad input or too few task slots.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m hvdtrain.spark",
+        description="Run a command as Horovod ranks, one per Spark task (barrier mode, Gloo).")
+    p.add_argument("-np", "--num-proc", dest="np", type=int, required=True,
+                   help="ranks, one Spark task slot each; negative: that many processes on "
+                        "this machine, without Spark")
+    p.add_argument("--master", help="Spark master URL (default: spark-submit's --master, "
+                                    "spark-defaults.conf, or an active session)")
+    p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
+                   help="Spark setting for the session (repeatable)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment variable for every rank (repeatable)")
+    p.add_argument("--nics", help="network interface(s) for Gloo, comma-separated (default: "
+                                  "the one holding each executor's address)")
+    p.add_argument("--start-timeout", type=float, default=10.0,
+                   help="seconds to wait for enough task slots (default 10)")
+    p.add_argument("--log-level", default="WARN", help="Spark's log level (default WARN)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
+    return p
+
+
+def _pairs(items: list[str], what: str, parser) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"{what} {item!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def check_train_command(command: list[str]) -> str | None:
+    """For ``hvdtrain train ...``: its options' error (as ``hvdtrain train`` would print it),
+    checked here before Spark starts; None when fine or when it is another command."""
+    if len(command) < 2 or os.path.basename(command[0]) != "hvdtrain" or command[1] != "train":
+        return None
+    from hvdtrain.cli import build_parser as train_parser
+    from hvdtrain.config import ConfigError, TrainConfig
+    args = train_parser().parse_args(command[1:])  # exits 2 with argparse's message
+    fields = {k: v for k, v in vars(args).items() if k not in ("command", "func")}
+    try:
+        TrainConfig.from_options(fields).validate()
+    except (ConfigError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no command: give it after --, e.g. -- hvdtrain train --dataset mnist")
+    if args.np == 0:
+        parser.error("-np must not be 0")
+    conf, env = _pairs(args.conf, "--conf", parser), _pairs(args.env, "--env", parser)
+    problem = check_train_command(command)
+    if problem:
+        print(f"hvdtrain: error: {problem}", file=sys.stderr)
+        return 2
+    import hvdtrain.spark as hs
+    nics = args.nics.split(",") if args.nics else None
+    sc = None
+    created = False
+    try:
+        if args.np > 0:
+            sc, created = _context(args.master, conf)
+            sc.setLogLevel(args.log_level)
+        return hs.run_command(command, args.np, spark=sc, env=env, nics=nics,
+                              start_timeout=args.start_timeout)
+    except hs.NotEnoughSlotsError as exc:
+        print(f"hvdtrain.spark: error: {exc}", file=sys.stderr)
+        return 2
+    except hs.SparkJobError as exc:
+        print(f"hvdtrain.spark: error: {exc}", file=sys.stderr)
+        codes = exc.exit_codes
+        code = codes.get(0, codes[min(codes)]) if codes and not exc.lost else 1
+        return code if 0 < code < 256 else 1
+    finally:
+        if created:
+            sc.stop()
+
+
+def _context(master: str | None, conf: dict[str, str]):
+    from hvdtrain.spark.driver import SESSION_CONF, SparkJobError
+    try:
+        from pyspark import SparkContext
+    except ImportError as exc:
+        raise SparkJobError("pyspark is not installed: pip install 'hvdtrain[spark]' (or bash "
+                            "scripts/setup_engines.sh in a checkout)") from exc
+    if SparkContext._active_spark_context is not None and not master and not conf:
+        return SparkContext._active_spark_context, False
+    from pyspark.sql import SparkSession
+    builder = SparkSession.builder.appName("hvdtrain")
+    if master:
+        builder = builder.master(master)
+    for key, value in {**SESSION_CONF, **conf}.items():
+        builder = builder.config(key, value)
+    return builder.getOrCreate().sparkContext, True
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""One Horovod rank as a child process, the way ``horovodrun``'s Gloo launcher starts it: the
+rank plan, the Gloo rendezvous server, the ``HOROVOD_*`` variables, and a child that dies with
+its parent. Used on Spark executors (:mod:`hvdtrain.spark.task`) and on the driver
+(``num_proc < 0``, :mod:`hvdtrain.spark.local`). Imports no engine and no framework.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+TAIL_BYTES = 6000  # how much of a rank's last output an error message quotes
+ENGINE_VAR = "HVDTRAIN_ENGINE"  # read by the run header (hvdtrain.run.report)
+
+
+def slot_plan(hosts: list[str]) -> list:
+    """Horovod's slot for each task, given the host each task runs on.
+
+    Ranks are contiguous per host, as ``horovodrun`` lays them out
+    (``horovod.runner.common.util.hosts.get_host_assignments``): task 0's host first, then the
+    others in order of first appearance; the k-th task on a host gets that host's local rank k.
+    So task 0 is always rank 0.
+
+    Args:
+        hosts: the host (address) of task i at index i.
+
+    Returns:
+        ``SlotInfo`` per task (``rank``, ``size``, ``local_rank``, ``local_size``,
+        ``cross_rank``, ``cross_size``, ``hostname``).
+    """
+    from horovod.runner.common.util.hosts import HostInfo, get_host_assignments
+    order = list(dict.fromkeys(hosts))
+    plan = get_host_assignments([HostInfo(h, hosts.count(h)) for h in order], len(hosts))
+    by_host: dict[str, list] = {}
+    for slot in plan:
+        by_host.setdefault(slot.hostname, []).append(slot)
+    seen: dict[str, int] = {}
+    slots = []
+    for host in hosts:
+        k = seen.get(host, 0)
+        seen[host] = k + 1
+        slots.append(by_host[host][k])
+    return slots
+
+
+class Rendezvous:
+    """Horovod's Gloo rendezvous (the HTTP key-value store ``horovodrun`` runs), bound to
+    ``host`` only, on a free port.
+
+    Args:
+        host: the address the ranks reach this process by.
+        plan: every rank's ``SlotInfo`` (:func:`slot_plan`).
+    """
+
+    def __init__(self, host: str, plan: list):
+        from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
+        self._httpd = RendezvousHTTPServer((host, 0), RendezvousHandler, 0)
+        self._httpd.init(plan)
+        self.port = self._httpd.server_address[1]
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True,
+                                        name="hvdtrain-rendezvous")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(10)
+
+
+def iface_of(address: str) -> str:
+    """The network interface holding IPv4 ``address`` (a name or dotted quad), for
+    ``HOROVOD_GLOO_IFACE``; ``lo`` for loopback addresses.
+
+    Raises:
+        ValueError: no local interface has that address (pass ``nics`` explicitly).
+    """
+    import psutil
+    ip = socket.gethostbyname(address)
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == ip for a in addrs):
+            return name
+    if ip.startswith("127."):
+        return "lo"
+    raise ValueError(f"no network interface of this host has the address {ip} ({address}); "
+                     "name the interface for Gloo with nics=['eth0'] (--nics eth0)")
+
+
+def rank_env(slot, rendezvous_addr: str, port: int, iface: str, engine: str,
+             extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of one rank: this process's, ``extra``, and what ``horovodrun``'s Gloo
+    launcher sets (``horovod.runner.gloo_run.create_run_env_vars`` and
+    ``create_slot_env_vars``), plus ``HVDTRAIN_ENGINE`` and unbuffered Python output."""
+    env = dict(os.environ)
+    env.update(extra or {})
+    env.update({
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": rendezvous_addr,
+        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
+        "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
+        "HOROVOD_GLOO_IFACE": iface, "NCCL_SOCKET_IFNAME": iface,
+        "HOROVOD_HOSTNAME": slot.hostname, "HOROVOD_RANK": str(slot.rank),
+        "HOROVOD_SIZE": str(slot.size), "HOROVOD_LOCAL_RANK": str(slot.local_rank),
+        "HOROVOD_LOCAL_SIZE": str(slot.local_size), "HOROVOD_CROSS_RANK": str(slot.cross_rank),
+        "HOROVOD_CROSS_SIZE": str(slot.cross_size),
+        ENGINE_VAR: engine, "PYTHONUNBUFFERED": "1",
+    })
+    # Console scripts (hvdtrain, horovodrun) of this interpreter's environment first.
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def function_argv(payload: Path, result: Path) -> list[str]:
+    """argv of a rank that runs a pickled function (:mod:`hvdtrain.spark.rank_main`)."""
+    return [sys.executable, "-m", "hvdtrain.spark.rank_main", str(payload), str(result)]
+
+
+class RankProcess:
+    """A rank's child process: stdout and stderr merged, read in chunks and handed to ``sink``
+    (rank 0's go to the driver), the last :data:`TAIL_BYTES` kept for error messages. The child
+    gets SIGKILL when the process that started it dies (Linux ``PR_SET_PDEATHSIG``), so a task
+    that Spark kills, or an executor that dies, leaves no rank behind.
+
+    Args:
+        argv: the command.
+        env: its environment (:func:`rank_env`).
+        sink: called with each chunk of output (bytes), from a reader thread.
+        cwd: its working directory (default: this process's).
+    """
+
+    def __init__(self, argv: list[str], env: dict[str, str],
+                 sink: Callable[[bytes], None] | None = None, cwd: str | None = None):
+        self.tail = b""
+        self._sink = sink
+        self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     preexec_fn=_die_with_parent if sys.platform == "linux"
+                                     else None)
+        self._reader = threading.Thread(target=self._pump, daemon=True, name="hvdtrain-rank-out")
+        self._reader.start()
+
+    def _pump(self) -> None:
+        fd = self.proc.stdout.fileno()
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            self.tail = (self.tail + chunk)[-TAIL_BYTES:]
+            if self._sink is not None:
+                try:
+                    self._sink(chunk)
+                except Exception:  # a lost driver connection must not stop the rank
+                    self._sink = None
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the child and its output; its exit status (negative: killed by a signal)."""
+        code = self.proc.wait(timeout)
+        self._reader.join(10)
+        self.proc.stdout.close()
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+    def tail_text(self) -> str:
+        return self.tail.decode("utf-8", "replace")
+
+
+def describe_exit(code: int) -> str:
+    """``exited with 3`` or ``was killed by SIGKILL``."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with {code}"

@@ -1,0 +1,164 @@
+"""A Spark standalone cluster on 127.0.0.1 for the tests: one master and 1-core workers, each a
+process this module starts and stops by its process id (nothing else is touched).
+
+    python tests/spark/cluster.py      # start one, print its URL, stop it on Enter
+
+Every service binds to 127.0.0.1 (``SPARK_LOCAL_IP`` and ``--host``); the pip package has no
+``start-*.sh`` scripts, so the daemons are started with ``spark-class`` as the scripts would.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def spark_class() -> str:
+    """Path of pyspark's ``bin/spark-class`` (raises ImportError without pyspark)."""
+    import pyspark
+    return str(Path(pyspark.__file__).parent / "bin" / "spark-class")
+
+
+def spark_env() -> dict:
+    """The environment of the daemons: loopback only, this interpreter for Python workers."""
+    env = dict(os.environ)
+    env.update(SPARK_LOCAL_IP=LOOPBACK, SPARK_LOCAL_HOSTNAME="localhost",
+               PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+class StandaloneCluster:
+    """A master and ``workers`` 1-core workers on 127.0.0.1, logs and work dirs under ``root``.
+
+    Attributes:
+        url: ``spark://127.0.0.1:PORT`` once started.
+        master: the master's Popen; workers: the workers' Popens (index = worker number).
+    """
+
+    def __init__(self, root: Path, workers: int = 2, memory: str = "1500m"):
+        self.root, self.n_workers, self.memory = Path(root), workers, memory
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"spark://{LOOPBACK}:{self.port}"
+        self.master: subprocess.Popen | None = None
+        self.workers: list[subprocess.Popen | None] = []
+
+    def _spawn(self, name: str, *argv: str) -> subprocess.Popen:
+        log = open(self.root / f"{name}.log", "ab")
+        # spark-class execs java, so the pid is the daemon's JVM.
+        return subprocess.Popen([spark_class(), *argv], env=spark_env(), stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+
+    def start(self, timeout: float = 90.0) -> "StandaloneCluster":
+        """Start the master, then the workers; return once every worker has registered."""
+        self.master = self._spawn("master", "org.apache.spark.deploy.master.Master",
+                                  "--host", LOOPBACK, "--port", str(self.port),
+                                  "--webui-port", str(free_port()))
+        _wait_port(self.port, timeout, self.master, self.root / "master.log")
+        for i in range(self.n_workers):
+            self.start_worker(i)
+        self.wait_workers(self.n_workers, timeout)
+        return self
+
+    def start_worker(self, i: int) -> subprocess.Popen:
+        """Start (or restart) worker ``i``: 1 core, its own work dir."""
+        work = self.root / f"worker{i}"
+        work.mkdir(exist_ok=True)
+        proc = self._spawn(f"worker{i}", "org.apache.spark.deploy.worker.Worker", self.url,
+                           "--host", LOOPBACK, "--cores", "1", "--memory", self.memory,
+                           "--webui-port", str(free_port()), "--work-dir", str(work))
+        while len(self.workers) <= i:
+            self.workers.append(None)
+        self.workers[i] = proc
+        return proc
+
+    def wait_workers(self, n: int, timeout: float = 90.0) -> None:
+        """Wait until ``n`` workers have registered with the master (its log says so)."""
+        deadline = time.monotonic() + timeout
+        log = self.root / "master.log"
+        while time.monotonic() < deadline:
+            text = log.read_text(errors="replace") if log.exists() else ""
+            if text.count("Registering worker") - text.count("Removing worker") >= n:
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"{n} Spark workers did not register in {timeout:.0f} s; see {log}")
+
+    def kill_worker(self, i: int, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to worker ``i``'s JVM (its executors notice and exit)."""
+        proc = self.workers[i]
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(sig)
+            proc.wait(30)
+
+    def descendants(self) -> list[psutil.Process]:
+        """Every live process below the daemons this cluster started (executors, Python
+        workers, rank processes)."""
+        found = []
+        for proc in [self.master, *self.workers]:
+            if proc is None:
+                continue
+            try:
+                found += psutil.Process(proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                pass
+        return found
+
+    def stop(self) -> None:
+        """Stop the workers, then the master, by pid (SIGTERM, then SIGKILL after 20 s), and
+        every process still below them."""
+        below = self.descendants()
+        for proc in [*self.workers, self.master]:
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+        for proc in [*self.workers, self.master]:
+            if proc is None:
+                continue
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        for child in below:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+def _wait_port(port: int, timeout: float, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the Spark master exited with {proc.returncode}; see {log}")
+        with socket.socket() as s:
+            if s.connect_ex((LOOPBACK, port)) == 0:
+                return
+        time.sleep(0.3)
+    raise RuntimeError(f"the Spark master did not listen on {port} in {timeout:.0f} s; see {log}")
+
+
+if __name__ == "__main__":
+    import tempfile
+    cluster = StandaloneCluster(Path(tempfile.mkdtemp(prefix="spark-cluster-"))).start()
+    print(cluster.url, "pids", cluster.master.pid, [w.pid for w in cluster.workers], flush=True)
+    try:
+        input()
+    finally:
+        cluster.stop()

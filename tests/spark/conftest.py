@@ -1,0 +1,65 @@
+"""tests/spark: hvdtrain.spark on a real Spark standalone cluster (a master and two 1-core workers
+on 127.0.0.1), started once for the session by the ``spark_cluster`` fixture and stopped by its
+process ids at the end; the fixture then checks that no process of the cluster or of a rank is
+left. Skipped, with the reason, where pyspark, Java or Horovod is missing (scripts/setup_engines.sh
+installs the first two; `make setup` runs it)."""
+import importlib.util
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from cluster import LOOPBACK, StandaloneCluster  # noqa: E402
+
+MISSING = [what for what, ok in (
+    ("pyspark (bash scripts/setup_engines.sh)", importlib.util.find_spec("pyspark") is not None),
+    ("java (a JRE; bash scripts/setup_engines.sh)", shutil.which("java") is not None),
+    ("Horovod (make setup)", importlib.util.find_spec("horovod") is not None),
+) if not ok]
+
+
+def pytest_collection_modifyitems(config, items):
+    if not MISSING:
+        return
+    skip = pytest.mark.skip(reason="needs " + ", ".join(MISSING))
+    for item in items:
+        if HERE in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def spark_cluster(tmp_path_factory):
+    cluster = StandaloneCluster(tmp_path_factory.mktemp("spark-cluster"), workers=2)
+    below = []
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        below = cluster.descendants()
+        cluster.stop()
+    left = [f"{p.pid} {' '.join(p.cmdline())[:200]}" for p in below if _alive(p)]
+    assert not left, f"processes left after the cluster stopped: {left}"
+
+
+def _alive(proc) -> bool:
+    import psutil
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def spark_job_env() -> dict:
+    """The environment of a driver the tests start: loopback only, this interpreter."""
+    bin_dir = str(Path(sys.executable).parent)
+    env = dict(os.environ)
+    env.update(SPARK_LOCAL_IP=LOOPBACK, PYSPARK_PYTHON=sys.executable,
+               PYSPARK_DRIVER_PYTHON=sys.executable, PYTHONUNBUFFERED="1",
+               OMPI_MCA_mpi_yield_when_idle="1")
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    return env

@@ -1,0 +1,74 @@
+"""hvdtrain.spark's Python API on a real Spark master, in one driver process (one JVM start):
+
+    python tests/spark/spark_api_job.py spark://127.0.0.1:PORT OUT.json
+
+Writes what each call returned or raised to OUT.json; tests/spark/test_spark_engine.py asserts.
+"""
+import io
+import json
+import sys
+import time
+
+
+def allreduce_job(scale=1.0):
+    """Every rank: Horovod over Gloo, an all-reduce of rank + 1, a line of output."""
+    import os
+
+    import horovod.torch as hvd
+    import torch
+    hvd.init()
+    total = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum).item()
+    print(f"rank {hvd.rank()} of {hvd.size()} says hello", flush=True)
+    return {"rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(),
+            "sum": total * scale, "pid": os.getpid(), "gloo": hvd.gloo_enabled(),
+            "engine": os.environ.get("HVDTRAIN_ENGINE")}
+
+
+def failing_job():
+    import horovod.torch as hvd
+    hvd.init()
+    if hvd.rank() == 1:
+        raise ValueError("boom on rank 1")
+    hvd.allreduce_(__import__("torch").zeros(1))  # rank 0 waits for rank 1, which is gone
+    return "unreachable"
+
+
+def timed(fn):
+    start = time.monotonic()
+    try:
+        value = fn()
+        return {"value": value, "seconds": time.monotonic() - start}
+    except Exception as exc:  # recorded for the test to judge
+        return {"error": type(exc).__name__, "message": str(exc),
+                "seconds": time.monotonic() - start}
+
+
+def main(master: str, out_path: str) -> None:
+    from pyspark.sql import SparkSession
+
+    import hvdtrain.spark as hs
+    from hvdtrain.spark import HorovodRunner
+    spark = (SparkSession.builder.master(master).appName("hvdtrain-api-test")
+             .config("spark.ui.enabled", "false").config("spark.executor.memory", "768m")
+             .config("spark.ui.showConsoleProgress", "false").getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    results = {}
+    try:
+        out = io.StringIO()
+        results["run"] = timed(lambda: hs.run(allreduce_job, 2, kwargs={"scale": 10.0},
+                                              stdout=out))
+        results["run_stdout"] = out.getvalue()
+        results["return_all"] = timed(lambda: hs.run(allreduce_job, 2, spark=spark,
+                                                     return_all=True))
+        results["runner"] = timed(lambda: HorovodRunner(np=2).run(allreduce_job, scale=2.0))
+        results["driver_local"] = timed(lambda: hs.run(allreduce_job, -2))
+        results["failing"] = timed(lambda: hs.run(failing_job, 2))
+        results["too_many"] = timed(lambda: hs.run(allreduce_job, 3, start_timeout=3))
+    finally:
+        spark.stop()
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
