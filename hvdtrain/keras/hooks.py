@@ -94,7 +94,8 @@ class Hooks:
 
     def save(self, output_dir: Path, record: dict) -> None:
         checkpoint.save(output_dir, self.model.get_weights(),
-                        [ops.convert_to_numpy(v) for v in self.optimizer.variables], record)
+                        [ops.convert_to_numpy(v) for v in self.optimizer.variables], record,
+                        checkpoint.optimizer_keys(self.optimizer, self.model.trainable_variables))
         checkpoint.save_weights(Path(output_dir) / checkpoint.WEIGHTS_FILE, self.model)
 
     def load(self, output_dir: Path) -> dict:
@@ -103,14 +104,10 @@ class Hooks:
         if [w.shape for w in weights] != [np.shape(w) for w in payload["model"]]:
             raise ValueError("the checkpoint's weights do not fit this model (another "
                              "--dataset or --batchnorm?)")
-        variables = self.optimizer.variables
-        if len(payload["optimizer"]) != len(variables):
-            raise ValueError(f"the checkpoint holds {len(payload['optimizer'])} optimizer "
-                             f"variables, this optimizer has {len(variables)} (another "
-                             "--backward-passes-per-step?)")
         self.model.set_weights(payload["model"])
-        for var, value in zip(variables, payload["optimizer"]):
-            var.assign(value)
+        # By key: slots this run's --momentum, -k or --precision adds start fresh, others drop.
+        checkpoint.load_optimizer(self.optimizer, self.model.trainable_variables,
+                                  payload["optimizer_keys"], payload["optimizer"])
         return payload["record"]
 
     def checksum(self) -> float:

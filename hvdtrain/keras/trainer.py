@@ -18,7 +18,7 @@ from keras import ops
 
 from hvdtrain import datasets
 from hvdtrain.config import TrainConfig
-from hvdtrain.keras import adapter, sharding
+from hvdtrain.keras import adapter, checkpoint, sharding
 from hvdtrain.keras.callbacks import SyncBuffersCallback, callbacks as fit_callbacks
 from hvdtrain.keras.hooks import Hooks
 from hvdtrain.keras.models import build_model
@@ -158,6 +158,8 @@ def _fit(cfg: TrainConfig, info, signals) -> dict:
     run = Run(cfg, info, signals, hooks, split.num_classes)
     resumed = run.resume()  # rank 0 loads into the distributed model; broadcast below
     if resumed:
+        if resumed.get("restart_loss_scale"):  # another --init-loss-scale (fp16)
+            checkpoint.restart_loss_scale(optimizer, cfg.init_loss_scale)
         adapter.broadcast_state(model, optimizer)
     at = run.position(resumed)  # a moved mid-epoch position got its RNG back there
     if at.batch:  # Keras's data order is a function of the position: no iterator to wait for

@@ -23,6 +23,7 @@ Every rank calls every method, in the same order: each holds collectives.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -42,6 +43,29 @@ log = logging.getLogger("hvdtrain")
 EPOCH_SUMS = ("loss", "correct", "n", "processed", "seconds")
 # What a checkpoint's record must hold for a run to continue from it.
 RECORD_KEYS = ("epoch", "size", "global_batch", "metrics")
+# The options a resumed run takes from its own command line although the checkpoint was made
+# with others (logged when they differ); the optimizer's state carries over. Both trainers apply
+# each: --lr and the schedule's options through the schedule they rebuild from this run's
+# options at its step, --momentum in the optimizer (hvdtrain.torch.checkpoint.load_optimizer;
+# Keras's SGD is built with it), -k, --batch-size and the world size through the position
+# (Run.position), --precision and --init-loss-scale through the loss scale (a new
+# --init-loss-scale starts the scale again), the rest (no state) as they are.
+RESUME_SETTINGS = ("lr", "momentum", "lr_scaling", "warmup_epochs", "lr_schedule",
+                   "lr_min_ratio", "lr_steps", "batch_size", "backward_passes_per_step",
+                   "precision", "init_loss_scale", "compression", "op", "on_nonfinite")
+# The fields of an epoch in the checkpoint's metrics; an elastic run's epochs hold more
+# (hvdtrain.run.elastic.ELASTIC_EXTRA: samples, sizes), which a fixed-size run does not record.
+EPOCH_FIELDS = tuple(f.name for f in dataclasses.fields(EpochMetrics))
+
+
+def resume_changes(saved_config: dict | None, cfg) -> dict[str, tuple]:
+    """The :data:`RESUME_SETTINGS` this run sets otherwise than the checkpoint's run did:
+    ``{option: (checkpoint's value, this run's value)}`` (none for a record without a
+    configuration)."""
+    if not saved_config:
+        return {}
+    return {name: (saved_config[name], getattr(cfg, name)) for name in RESUME_SETTINGS
+            if name in saved_config and saved_config[name] != getattr(cfg, name)}
 
 
 def start(cfg, init: Callable[..., object]):
@@ -143,6 +167,7 @@ class Run:
                     meta["rng"] = meta.get("rng_per_rank") or [meta.get("rng")]
                     meta["batch"] = meta.get("batch") or 0
                     meta["counters"] = meta.get("counters") or {}
+                    self._take_settings(meta)
             except (CheckpointError, ValueError) as exc:
                 meta = {"error": str(exc)}
             except Exception as exc:  # any failure on rank 0 must reach the others, not hang
@@ -156,6 +181,23 @@ class Run:
         if not meta["batch"]:
             self.restore_rng(meta)
         return meta
+
+    def _take_settings(self, meta: dict) -> None:
+        """Rank 0, on a loaded checkpoint's record: log the options this run changes
+        (:func:`resume_changes`; this run's values are the ones used and recorded), and with a
+        new ``--init-loss-scale`` under fp16 mark the loss scale to start again
+        (``restart_loss_scale``; the PyTorch trainer's scaler starts fresh without the saved
+        ``scaler``)."""
+        changes = resume_changes(meta.get("config"), self.cfg)
+        if not changes:
+            return
+        log.info("--resume: this run's %s (the checkpoint's: %s); the optimizer's state "
+                 "carries over", ", ".join(f"--{k.replace('_', '-')} {new!r}"
+                                          for k, (_, new) in changes.items()),
+                 ", ".join(f"{old!r}" for old, _ in changes.values()))
+        if "init_loss_scale" in changes and self.cfg.precision == "fp16":
+            meta["scaler"] = None
+            meta["restart_loss_scale"] = True
 
     def restore_rng(self, resumed: dict) -> None:
         """This rank's saved RNG state (ranks the checkpoint did not have keep their seeds)."""
@@ -171,6 +213,9 @@ class Run:
             return Position()
         moved = preempt.mid_epoch_mismatch(resumed.get("config"), resumed["size"], self.cfg,
                                            self.info.size) or None
+        if not moved and (resumed.get("config") or {}).get("elastic"):
+            # Its step counters ran over resets at other sizes: the position is recomputed.
+            moved = "it was made by an elastic run (--elastic)"
         batch = resumed["batch"]
         if batch and moved:
             log.warning("the checkpoint was made %d micro-batches into epoch %d, but %s: that "
@@ -196,7 +241,9 @@ class Run:
                                 broadcast_object=self.hooks.broadcast_object)
         self.record_counters()
         if resumed:
-            self.report.epochs = [EpochMetrics(**e) for e in resumed["metrics"]]
+            # An elastic run's checkpoint: its epochs' samples and sizes are not carried over.
+            self.report.epochs = [EpochMetrics(**{k: e[k] for k in EPOCH_FIELDS})
+                                  for e in resumed["metrics"]]
             log.info("resumed after epoch %d%s (made with %d ranks, global batch %d)",
                      resumed["epoch"], f" and {at.batch} micro-batches" if at.batch else "",
                      resumed["size"], resumed["global_batch"])

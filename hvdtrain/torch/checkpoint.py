@@ -6,6 +6,11 @@ A checkpoint holds the model, the optimizer (momentum buffers, ...), the optimiz
 (which fixes the LR schedule position), the epoch, RNG states, and the world size and global batch
 it was made with, so a resumed run continues exactly where the saved one stopped; a run resumed
 at another world size recomputes the scaled learning rate for its own size.
+
+The optimizer's settings (momentum, dampening, weight decay, ...) are this run's, not the
+checkpoint's (:func:`load_optimizer`): ``torch.optim.Optimizer.load_state_dict`` would put the
+saved run's values back into the param groups, so ``--resume --momentum 0.0`` ran on with the
+checkpoint's 0.9 while the record said 0.0. The state (momentum buffers, step counts) carries over.
 """
 from __future__ import annotations
 
@@ -18,8 +23,12 @@ from hvdtrain.files import CheckpointError, load_newest, save_rotating
 
 CHECKPOINT_FILE = "checkpoint.pt"
 PREVIOUS_FILE = "checkpoint.prev.pt"
+# Param-group entries a resumed run does not take from the optimizer it built: the parameters,
+# and the learning rate's, which the schedule sets from this run's --lr (hvdtrain_base_lr) and
+# step (hvdtrain.torch.adapter.distribute, hvdtrain.torch.scheduler).
+SCHEDULE_ENTRIES = ("params", "lr", "initial_lr", "hvdtrain_base_lr", "hvdtrain_lr_scale")
 __all__ = ["CHECKPOINT_FILE", "PREVIOUS_FILE", "CheckpointError", "rng_state",
-           "set_rng_state", "save", "load"]
+           "set_rng_state", "save", "load", "load_optimizer"]
 
 
 def rng_state() -> dict:
@@ -71,3 +80,40 @@ def load(output_dir: str | Path) -> dict:
     """
     out = Path(output_dir)
     return load_newest([out / CHECKPOINT_FILE, out / PREVIOUS_FILE], _read)[1]
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, state: dict) -> dict[str, tuple]:
+    """Load a checkpoint's optimizer ``state`` (``optimizer.state_dict()``) into ``optimizer``,
+    keeping the settings ``optimizer`` was built with (this run's command line: ``momentum``,
+    ``dampening``, ``weight_decay``, ``nesterov``, ...); only the state (momentum buffers, step
+    counts) comes from the checkpoint. The learning-rate entries (:data:`SCHEDULE_ENTRIES`) are
+    left to the schedule, which sets them from this run's ``--lr`` and step.
+
+    A buffer the new settings do not use stays as saved (SGD at momentum 0 neither reads nor
+    updates ``momentum_buffer``); one they need and the checkpoint lacks starts as the
+    optimizer starts it (SGD: the first gradient).
+
+    Args:
+        optimizer: the plain ``torch.optim`` optimizer this run built (before
+            :func:`hvdtrain.torch.distribute`).
+        state: the checkpoint's ``optimizer`` entry.
+
+    Returns:
+        ``{setting: (checkpoint's value, this run's value)}`` for each setting that differs
+        (taken from group 0 when several groups differ; empty when none does).
+
+    Raises:
+        ValueError: the state does not fit the optimizer (another number of parameter groups
+            or parameters: ``torch.optim``'s own message).
+    """
+    built = [{k: v for k, v in group.items() if k not in SCHEDULE_ENTRIES}
+             for group in optimizer.param_groups]
+    saved = state.get("param_groups", [])
+    optimizer.load_state_dict(state)
+    changed: dict[str, tuple] = {}
+    for group, mine, theirs in zip(optimizer.param_groups, built, saved):
+        for key, value in mine.items():
+            if key in theirs and theirs[key] != value and key not in changed:
+                changed[key] = (theirs[key], value)
+            group[key] = value
+    return changed

@@ -111,7 +111,9 @@ class Hooks:
     def load(self, output_dir: Path) -> dict:
         payload = checkpoint.load(output_dir)
         self.model.load_state_dict(payload.pop("model"))
-        self.optimizer.load_state_dict(payload.pop("optimizer"))
+        # The state from the checkpoint, the settings (momentum, ...) this run's.
+        payload["optimizer_settings"] = checkpoint.load_optimizer(self.optimizer,
+                                                                  payload.pop("optimizer"))
         for group in self.optimizer.param_groups:  # this run's --lr is the base to scale
             group["hvdtrain_base_lr"] = self.base_lr
         return payload
