@@ -12,12 +12,14 @@ scaling efficiency against N).
 Run::
 
     flock /tmp/hvdtrain-cpu.lock .venv/bin/python benchmarks/plan_check.py
+    flock /tmp/hvdtrain-cpu.lock .venv/bin/python benchmarks/plan_check.py --paths torch
     .venv/bin/python benchmarks/plan_check.py --skip-here     # published + all-reduce only
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -171,49 +173,108 @@ def check_published() -> list[dict]:
     return rows
 
 
-def check_allreduce() -> list[dict]:
+def check_allreduce(path: Path | None = None) -> list[dict]:
     """The ring formula with the fitted alpha and B (not the interpolated table, which passes
     through the points by construction) plus Horovod's cycle (a call enqueued just after a tick
     waits for the next one: 0.1 ms or the default 1 ms), against both measured series."""
     from dataclasses import replace
 
     from hvdtrain.scaling.model import schedule
-    path = clusters.find_allreduce_json()
+    path = path or clusters.find_allreduce_json()
     data = json.loads(path.read_text())
     fitted = replace(clusters.this_host(path), intra_table=())
     rows = []
     for impl, cycle in (("horovod-mpi-cycle0.1", 1e-4), ("horovod-mpi", 1e-3)):
-        for size, seconds in data["seconds"][impl].items():
+        for size, seconds in data["seconds"].get(impl, {}).items():
             buckets = schedule([(1e-9, int(size))], data["np"], fitted,
                                HorovodSettings(cycle_time_s=cycle))
             pred = buckets[-1].end_s
-            rows.append({"impl": impl, "bytes": int(size), "predicted_s": pred,
+            rows.append({"file": path.name, "impl": impl, "bytes": int(size), "predicted_s": pred,
                          "measured_s": seconds, "ratio": pred / seconds})
     return rows
 
 
-def check_here(repeats: int) -> list[dict]:
+def fresh_allreduce(path: Path) -> Path:
+    """Measure Horovod's all-reduce here now (benchmarks/allreduce.py's worker, horovodrun -np 2,
+    a 0.1 ms cycle) into ``path`` in allreduce.json's layout; results/allreduce.json untouched."""
+    sys.path.insert(0, str(HERE))
+    import allreduce
+    import common
+    env = common.base_env(True)
+    env["PYTHONPATH"] = f"{common.HERE}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    env["HOROVOD_CYCLE_TIME"] = "0.1"
+    ns = argparse.Namespace(min_bytes=4096, max_bytes=64 << 20, iters=20, warmup=3)
+    impl = "horovod-mpi-cycle0.1"
+    out = common.run_json(allreduce.launch_argv(impl, 2, ns), env)
+    path.write_text(json.dumps({"np": 2, "machine": common.machine() if hasattr(
+        common, "machine") else {}, "seconds": {impl: out["seconds"]}}))
+    return path
+
+
+def live_baseline(path: str, model: str) -> dict[int, float]:
+    """hvdtrain np=1 and np=2 samples/s measured now, one run each, by benchmarks/vs_single.py's
+    own variants (nothing written to results/)."""
+    sys.path.insert(0, str(HERE))
+    import vs_single
+    ns = argparse.Namespace(jit_compile="false", warmup=5, batches=None, iters=3, np=2)
+    runs = vs_single.variants(path, model, ns)
+    return {1: runs[vs_single.NP1](), 2: runs[vs_single.NP2]()}
+
+
+def check_here(repeats: int, path: str = "torch", live: bool = False,
+               allreduce_json: str | None = None) -> list[dict]:
+    """np=1 and np=2 predictions of one path (``torch``, ``keras-tf``, ``keras-torch``; a Keras
+    path runs in the backend ``KERAS_BACKEND`` names) against vs_single.json's medians (and,
+    with ``live``, against runs made right after the prediction)."""
     measured = json.loads((RESULTS / "vs_single.json").read_text())["results"]
-    c = clusters.this_host()
+    c = clusters.this_host(allreduce_json)
     cores = c.ranks_per_host
+    if path == "torch":
+        alone = lambda m, b: measure.measure_torch(m, b, cores, repeats=repeats)  # noqa: E731
+        side = lambda m, b: measure.measure_side_by_side(  # noqa: E731
+            m, b, max(1, cores // 2), 2, repeats=repeats)
+    else:
+        from hvdtrain.scaling.measure_keras import measure_keras_side_by_side
+        alone = lambda m, b: measure_keras_side_by_side(  # noqa: E731
+            m, b, cores, 1, repeats=2 * repeats)
+        side = lambda m, b: measure_keras_side_by_side(  # noqa: E731
+            m, b, max(1, cores // 2), 2, repeats=2 * repeats)
     rows = []
     for model, batch in GLOBAL_BATCH.items():
-        p1 = measure.measure_torch(model, batch, cores, repeats=repeats)
-        p2 = measure.measure_side_by_side(model, batch // 2, max(1, cores // 2), 2,
-                                          repeats=repeats)
-        pred1 = predict_step(p1, 1, c, CPU_SETTINGS)
-        pred2 = predict_step(p2, 2, c, CPU_SETTINGS)
-        print(f"  predict torch/{model:<6} np=1 {pred1.samples_per_s:9.1f}  np=2 "
+        pred1 = predict_step(alone(model, batch), 1, c, CPU_SETTINGS)
+        pred2 = predict_step(side(model, batch // 2), 2, c, CPU_SETTINGS)
+        print(f"  predict {path}/{model:<6} np=1 {pred1.samples_per_s:9.1f}  np=2 "
               f"{pred2.samples_per_s:9.1f} samples/s (np=2: comm {pred2.comm_s * 1e3:.2f} ms, "
-              f"compute {pred2.compute_s * 1e3:.2f} ms)")
-        stats = measured[f"torch/{model}"]["stats"]
+              f"compute {pred2.compute_s * 1e3:.2f} ms)", flush=True)
+        now = live_baseline(path, model) if live else {}
+        stats = measured[f"{path}/{model}"]["stats"]
         for n, pred, key in ((1, pred1, "hvdtrain np=1"), (2, pred2, "hvdtrain np=2")):
-            rows.append({"model": f"torch/{model}", "np": n, "predicted": pred.samples_per_s,
-                         "measured_median": stats[key]["median"], "measured_min": stats[key]["min"],
-                         "measured_max": stats[key]["max"],
-                         "error": pred.samples_per_s / stats[key]["median"] - 1,
-                         "comm_ms": pred.comm_s * 1e3, "step_ms": pred.step_s * 1e3})
+            row = {"model": f"{path}/{model}", "np": n, "predicted": pred.samples_per_s,
+                   "measured_median": stats[key]["median"], "measured_min": stats[key]["min"],
+                   "measured_max": stats[key]["max"],
+                   "error": pred.samples_per_s / stats[key]["median"] - 1,
+                   "comm_ms": pred.comm_s * 1e3, "step_ms": pred.step_s * 1e3}
+            if now:
+                row.update(measured_now=now[n], error_now=pred.samples_per_s / now[n] - 1)
+            rows.append(row)
     return rows
+
+
+def check_here_keras(repeats: int, path: str, extra: list[str]) -> list[dict]:
+    """:func:`check_here` for a Keras path in a child process (one Keras backend per process)."""
+    import os
+    import subprocess
+    env = {**os.environ, "KERAS_BACKEND": {"keras-tf": "tensorflow", "keras-torch": "torch"}[path],
+           "TF_CPP_MIN_LOG_LEVEL": "2"}
+    proc = subprocess.run([sys.executable, __file__, "--here-path", path, "--repeats",
+                           str(repeats), *extra], env=env, capture_output=True, text=True,
+                          timeout=900)
+    for line in proc.stdout.splitlines():
+        if line.startswith("  predict"):
+            print(line)
+        if line.startswith("ROWS "):
+            return json.loads(line[5:])
+    raise RuntimeError(f"{path}: no result\n{proc.stderr[-2000:]}")
 
 
 def plot(here, published, out):
@@ -247,8 +308,7 @@ def plot(here, published, out):
             a.scatter([r["measured_median"] for r in rs], [r["predicted"] for r in rs],
                       marker=marker, label=f"np={n}")
             for r in rs:
-                a.annotate(r["model"].split("/")[1], (r["measured_median"], r["predicted"]),
-                           fontsize=7)
+                a.annotate(r["model"], (r["measured_median"], r["predicted"]), fontsize=6)
         lim = [50, 10000]
         a.plot(lim, lim, "k-", lw=0.5)
         a.plot(lim, [x * 1.15 for x in lim], "k:", lw=0.5)
@@ -268,7 +328,24 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-here", action="store_true", help="no measurement on this machine")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--out", default=str(RESULTS / "plan_check.json"))
+    ap.add_argument("--paths", default="torch,keras-tf,keras-torch",
+                    help="this machine's paths to check (default: all three)")
+    ap.add_argument("--live", action="store_true",
+                    help="also run hvdtrain np=1/np=2 now (vs_single's variants, one run each) "
+                    "next to each prediction")
+    ap.add_argument("--fresh-allreduce", action="store_true",
+                    help="measure the all-reduce here now instead of results/allreduce.json")
+    ap.add_argument("--allreduce-json", help=argparse.SUPPRESS)
+    ap.add_argument("--here-path", help=argparse.SUPPRESS)  # one path, rows as JSON (internal)
     args = ap.parse_args(argv)
+    if args.here_path:
+        print("ROWS " + json.dumps(check_here(args.repeats, args.here_path, args.live,
+                                              args.allreduce_json)))
+        return 0
+    fresh = Path(args.allreduce_json) if args.allreduce_json else None
+    if args.fresh_allreduce and not args.skip_here:
+        fresh = fresh_allreduce(Path(args.out).with_name("plan_check.allreduce.json"))
+        print(f"measured the all-reduce here now: {fresh}")
 
     print("== predictions: published clusters (inputs: single-GPU throughput, parameters, network)")
     published = check_published()
@@ -292,33 +369,48 @@ def main(argv=None) -> int:
     print("\n== all-reduce model (fitted alpha + bytes/B, Horovod cycle) vs "
           "benchmarks/results/allreduce.json (np=2)")
     ar = check_allreduce()
-    print(f"{'series':<22} {'bytes':>10} {'predicted ms':>12} {'measured ms':>12} {'pred/meas':>9}")
+    if fresh:
+        ar += check_allreduce(fresh)
+    print(f"{'series':<28} {'bytes':>10} {'predicted ms':>12} {'measured ms':>12} {'pred/meas':>9}")
     for r in ar:
-        print(f"{r['impl']:<22} {r['bytes']:>10} {r['predicted_s'] * 1e3:>12.3f} "
+        label = r["impl"] + (" (now)" if r["file"].startswith("plan_check") else "")
+        print(f"{label:<28} {r['bytes']:>10} {r['predicted_s'] * 1e3:>12.3f} "
               f"{r['measured_s'] * 1e3:>12.3f} {r['ratio']:>9.2f}")
     print(f"all-reduce within 15 %: {sum(abs(r['ratio'] - 1) <= 0.15 for r in ar)} of {len(ar)}")
     here = []
     if not args.skip_here:
         print("\n== predictions: this machine (compute measured now; np=2 side by side)")
-        here = check_here(args.repeats)
+        here = []
+        for path in args.paths.split(","):
+            extra = (["--live"] if args.live else []) + (
+                ["--allreduce-json", str(fresh)] if fresh else [])
+            here += (check_here(args.repeats, "torch", args.live, fresh and str(fresh))
+                     if path == "torch" else check_here_keras(args.repeats, path, extra))
         print("\n== compared with benchmarks/results/vs_single.json (median of 5 runs, min-max)")
-        print(f"{'model':<14} {'np':>2} {'predicted':>10} {'measured':>10} {'min-max':>17} "
-              f"{'error':>7}")
+        print(f"{'model':<17} {'np':>2} {'predicted':>10} {'measured':>10} {'min-max':>17} "
+              f"{'error':>7} {'now':>9} {'error now':>9}")
         for r in here:
-            print(f"{r['model']:<14} {r['np']:>2} {r['predicted']:>10.1f} "
+            now = (f"{r['measured_now']:>9.1f} {r['error_now']:>+9.1%}" if "measured_now" in r
+                   else "")
+            print(f"{r['model']:<17} {r['np']:>2} {r['predicted']:>10.1f} "
                   f"{r['measured_median']:>10.1f} "
-                  f"{r['measured_min']:>8.0f}-{r['measured_max']:<8.0f} {r['error']:>+7.1%}")
+                  f"{r['measured_min']:>8.0f}-{r['measured_max']:<8.0f} {r['error']:>+7.1%} "
+                  f"{now}")
         errs = [abs(r["error"]) for r in here]
         print(f"within 15 %: {sum(e <= 0.15 for e in errs)} of {len(errs)}; median |error| "
               f"{statistics.median(errs):.1%}")
     gaps = [abs(r["predicted"] - r["published"]) * 100 for r in published if "predicted" in r]
     print(f"published: within 10 points: {sum(g <= 10 for g in gaps)} of {len(gaps)}")
     out = Path(args.out)
-    result = {"sources": PUBLISHED_SOURCES, "inputs": {"p100_img_s": P100, "k80": K80,
+    result = {"allreduce_used": str(fresh or clusters.find_allreduce_json()),
+              "sources": PUBLISHED_SOURCES, "inputs": {"p100_img_s": P100, "k80": K80,
                                                        "params": PARAMS},
               "here": here, "published": published, "allreduce": ar}
-    if args.skip_here and out.exists():  # keep the last measured rows
-        result["here"] = json.loads(out.read_text()).get("here", [])
+    if out.exists():  # keep the last measured rows of the paths not measured now
+        done = set() if args.skip_here else set(args.paths.split(","))
+        kept = [r for r in json.loads(out.read_text()).get("here", [])
+                if r["model"].split("/")[0] not in done]
+        result["here"] = kept + here
     out.write_text(json.dumps(result, indent=1, default=str))
     plot(result["here"], published, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")

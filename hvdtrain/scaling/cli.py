@@ -31,6 +31,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     what.add_argument("--model", default="cnn",
                       help="built-in benchmark model (mnist, cnn, dense, gpt) or module:function "
                       "returning (model, loss_fn, (inputs, targets)) (default: cnn)")
+    what.add_argument("--framework", choices=("torch", "keras"), default="torch",
+                      help="torch: per-gradient ready times from hooks; keras: whole fit steps "
+                      "on KERAS_BACKEND's backend, all gradients ready at the end (default: "
+                      "torch)")
     what.add_argument("--batch-size", type=int, default=32,
                       help="samples per micro-batch per rank (default: 32)")
     what.add_argument("--params", type=float,
@@ -113,31 +117,48 @@ def profile_source(args, cluster):
     if given:
         step = (args.step_time_ms / 1e3 if args.step_time_ms is not None
                 else args.batch_size / args.throughput)
-        tensors = (measure.even_tensors(int(args.params * 4), 100) if args.params is not None
-                   else measure.gradient_sizes(args.model))
+        keras = args.framework == "keras"
+        if args.params is not None:
+            tensors = measure.even_tensors(int(args.params * 4), 100)
+        elif keras:
+            from hvdtrain.scaling.measure_keras import keras_gradient_sizes
+            tensors = keras_gradient_sizes(args.model)
+        else:
+            tensors = measure.gradient_sizes(args.model)
         what = (f"{args.params:.3g} parameters" if args.params is not None else args.model)
         prof = measure.profile_from_step_time(
             step, args.batch_size, [(tensors, 1.0)],
             source=f"given: {what}, {step * 1e3:.2f} ms per micro-batch of {args.batch_size}, "
-            "gradients ready evenly over the backward pass")
+            + ("gradients all ready at the end (Keras)" if keras
+               else "gradients ready evenly over the backward pass"))
+        if keras:
+            prof = measure.all_ready_at_end(prof)
         return lambda n: prof
+    if args.framework == "keras":
+        from hvdtrain.scaling.measure_keras import measure_keras_side_by_side
+        alone = lambda: measure_keras_side_by_side(  # noqa: E731
+            args.model, args.batch_size, os.cpu_count() or 1, 1, repeats=2 * args.repeats)
+        side = lambda n, threads: measure_keras_side_by_side(  # noqa: E731
+            args.model, args.batch_size, threads, n, repeats=2 * args.repeats)
+    else:
+        alone = lambda: measure.measure_torch(args.model, args.batch_size,  # noqa: E731
+                                              device=args.device, repeats=args.repeats)
+        side = lambda n, threads: measure.measure_side_by_side(  # noqa: E731
+            args.model, args.batch_size, threads, n, repeats=args.repeats)
     if args.cluster == "this-host":
         cores = os.cpu_count() or 1
         cache = {}
 
         def per_n(n):
             if n not in cache:
-                cache[n] = measure.measure_side_by_side(args.model, args.batch_size,
-                                                        max(1, cores // n), n,
-                                                        repeats=args.repeats)
+                cache[n] = side(n, max(1, cores // n))
             return cache[n]
         return per_n
     if args.device != "cuda":
         print("hvdtrain plan: note: timing the model on this machine's CPU for a GPU cluster; "
               "give --step-time-ms or --throughput (the GPU's figure) for a real plan",
               file=sys.stderr)
-    prof = measure.measure_torch(args.model, args.batch_size, device=args.device,
-                                 repeats=args.repeats)
+    prof = alone()
     return lambda n: prof
 
 

@@ -133,9 +133,11 @@ def measure_torch(spec: str, batch_size: int, threads: int | None = None, warmup
     median = statistics.median
     grads = sorted((Gradient(n, p.numel() * p.element_size(), median(ready[n]))
                     for n, p in params), key=lambda g: g.ready_s)
+    steps = [a + b + c for a, b, c in zip(fwd, bwd, opt)]
     return ComputeProfile(batch_size, median(fwd), median(bwd), median(opt), tuple(grads),
                           f"measured here: {spec}, batch {batch_size}, "
-                          f"{torch.get_num_threads()} threads, {device}")
+                          f"{torch.get_num_threads()} threads, {device}",
+                          robust_std(steps))
 
 
 def _load(spec: str, batch_size: int, threads: int, started, stop) -> None:
@@ -179,7 +181,16 @@ def measure_side_by_side(spec: str, batch_size: int, threads: int, copies: int,
                 p.terminate()
     return ComputeProfile(profile.batch_size, profile.forward_s, profile.backward_s,
                           profile.optimizer_s, profile.gradients,
-                          profile.source + f", {copies} copies side by side")
+                          profile.source + f", {copies} copies side by side", profile.jitter_s)
+
+
+def robust_std(values: list[float]) -> float:
+    """A standard deviation that one stalled step does not blow up: 1.4826 x the median absolute
+    deviation (equal to the standard deviation for normal data); 0 for fewer than 3 values."""
+    if len(values) < 3:
+        return 0.0
+    mid = statistics.median(values)
+    return 1.4826 * statistics.median(abs(v - mid) for v in values)
 
 
 def gradient_sizes(spec: str) -> list[tuple[str, int]]:
@@ -234,3 +245,12 @@ def even_tensors(total_bytes: int, count: int, prefix: str = "g") -> list[tuple[
     base = total_bytes // count
     return [(f"{prefix}{i}", base + (total_bytes - base * count if i == count - 1 else 0))
             for i in range(count)]
+
+
+def all_ready_at_end(profile: ComputeProfile) -> ComputeProfile:
+    """``profile`` with every gradient ready at the end of the backward pass (Keras: the
+    optimizer gets all gradients at once)."""
+    return ComputeProfile(profile.batch_size, profile.forward_s, profile.backward_s,
+                          profile.optimizer_s,
+                          tuple(Gradient(g.name, g.nbytes, profile.backward_s)
+                                for g in profile.gradients), profile.source, profile.jitter_s)

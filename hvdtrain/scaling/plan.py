@@ -58,6 +58,7 @@ class PlanRow:
                 "samples_per_s": p.samples_per_s, "efficiency": self.efficiency,
                 "comm_ms": p.comm_s * 1e3, "exposed_ms": p.exposed_s * 1e3,
                 "overlap": p.overlap, "allreduces": len(p.buckets),
+                "straggler_ms": p.straggler_s * 1e3,
                 "recommendations": [asdict(r) for r in self.recommendations],
                 "best": asdict(self.best) if self.best else None}
 

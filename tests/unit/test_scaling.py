@@ -126,6 +126,21 @@ def test_plan_recommends_k_when_communication_bound():
     assert recs["compression"].samples_per_s == pytest.approx(64 / (16e-3 + 50e-3))
 
 
+def test_straggler_wait_by_hand():
+    # sigma 2 ms: two ranks wait 2 ms x E[max of 2 normals] = 2 ms / sqrt(pi) longer.
+    from dataclasses import replace
+
+    from hvdtrain.scaling.model import expected_max_normal
+    assert expected_max_normal(2) == pytest.approx(1 / 3.141592653589793 ** 0.5, abs=1e-4)
+    assert expected_max_normal(1) == 0.0
+    noisy = replace(profile(), jitter_s=2e-3)
+    plain = predict_step(profile(), 2, flat(intra=1 * GB), WAKE)
+    pred = predict_step(noisy, 2, flat(intra=1 * GB), WAKE)
+    assert pred.straggler_s == pytest.approx(2e-3 / 3.141592653589793 ** 0.5, abs=1e-6)
+    assert pred.step_s == pytest.approx(plain.step_s + pred.straggler_s)
+    assert predict_step(noisy, 1, flat(), WAKE).straggler_s == 0.0
+
+
 def test_ranks_list():
     assert ranks_list(1) == [1]
     assert ranks_list(8) == [1, 2, 4, 8]
@@ -227,3 +242,15 @@ def test_plan_command_from_a_published_throughput(tmp_path):
     assert [r["hosts"] for r in result["rows"]] == [1, 1, 1, 2, 4]
     effs = [r["efficiency"] for r in result["rows"]]
     assert effs[0] == pytest.approx(1.0) and effs[-1] < 1.0
+
+
+def test_plan_command_keras_gradients_all_ready_at_the_end(tmp_path):
+    # Keras applies every gradient at once: nothing can overlap the backward pass.
+    proc, result = run_plan(tmp_path, "--framework", "keras", "--model", "cnn", "--step-time-ms",
+                            "30", "--cluster", "custom", "--ranks-per-host", "2", "--intra-gbps",
+                            "1", "--inter-gbps", "1", "--latency-us", "10", "--max-ranks", "4")
+    assert proc.returncode == 0, proc.stderr
+    assert "1.28 MB of gradients in 10 tensors" in proc.stdout  # as the PyTorch cnn
+    rows = result["rows"]
+    assert [r["overlap"] for r in rows[1:]] == pytest.approx([0.0, 0.0], abs=1e-9)
+    assert all(r["exposed_ms"] == pytest.approx(r["comm_ms"]) for r in rows[1:])
