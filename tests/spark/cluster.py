@@ -43,6 +43,13 @@ def spark_env() -> dict:
     return env
 
 
+def spark_job_env() -> dict:
+    """The environment of a driver the tests start: loopback only, this interpreter."""
+    env = spark_env()
+    env.update(PYTHONUNBUFFERED="1", OMPI_MCA_mpi_yield_when_idle="1")
+    return env
+
+
 class StandaloneCluster:
     """A master and ``workers`` 1-core workers on 127.0.0.1, logs and work dirs under ``root``.
 

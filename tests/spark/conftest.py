@@ -4,7 +4,6 @@ process ids at the end; the fixture then checks that no process of the cluster o
 left. Skipped, with the reason, where pyspark, Java or Horovod is missing (scripts/setup_engines.sh
 installs the first two; `make setup` runs it)."""
 import importlib.util
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from cluster import LOOPBACK, StandaloneCluster  # noqa: E402
+from cluster import StandaloneCluster  # noqa: E402
 
 MISSING = [what for what, ok in (
     ("pyspark (bash scripts/setup_engines.sh)", importlib.util.find_spec("pyspark") is not None),
@@ -52,14 +51,3 @@ def _alive(proc) -> bool:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-
-
-def spark_job_env() -> dict:
-    """The environment of a driver the tests start: loopback only, this interpreter."""
-    bin_dir = str(Path(sys.executable).parent)
-    env = dict(os.environ)
-    env.update(SPARK_LOCAL_IP=LOOPBACK, PYSPARK_PYTHON=sys.executable,
-               PYSPARK_DRIVER_PYTHON=sys.executable, PYTHONUNBUFFERED="1",
-               OMPI_MCA_mpi_yield_when_idle="1")
-    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
-    return env

@@ -3,7 +3,6 @@ on 127.0.0.1): the Python API (run, HorovodRunner, driver-local ranks, errors), 
 job through ``python -m hvdtrain.spark`` against ``horovodrun -np 2`` step by step, a worker
 killed mid-job and the ``--resume auto`` rerun, and too many ranks for the slots."""
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,7 +13,9 @@ import numpy as np
 import psutil
 import pytest
 
-from conftest import HERE, spark_job_env
+from cluster import spark_job_env
+
+HERE = Path(__file__).resolve().parent
 
 BIN = Path(sys.executable).parent
 TIMEOUT = 900
