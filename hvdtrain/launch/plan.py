@@ -171,6 +171,10 @@ def plan(args, env: dict[str, str] | None = None, gpus: int | None = None) -> La
                 network_interfaces=args.network_interfaces, knobs=knobs, env=env, **ssh)
         except ValueError as exc:
             raise PlanError(str(exc)) from None
+        if not args.network_interfaces and "--network-interfaces" in argv:
+            chosen = argv[argv.index("--network-interfaces") + 1]
+            notes.append(f"--elastic: every host the discovery script printed is this machine, "
+                         f"so --network-interfaces {chosen}")
         env[LAUNCH_CHOICES_VAR] = json.dumps(
             {k: f"hvdtrain launch {_KNOB_OPTIONS.get(k, k)}" for k in knobs})
         return LaunchPlan("horovodrun", argv, env, shlex.join(argv), notes, [], args.np, None,
