@@ -192,7 +192,8 @@ def page(name: str, data: dict, bench_dir: Path) -> str:
     if args is not None:
         command = rerun_command(script, args)
     else:  # no recorded options: the script's own first launch line
-        command = (first_command(doc or "") or f"python benchmarks/{script.name}").split("  #")[0].rstrip()
+        command = first_command(doc or "") or f"python benchmarks/{script.name}"
+        command = command.split("  #")[0].rstrip()
     lines = [f"# {title}", "",
              f"Generated from `benchmarks/results/{name}.json` each time these pages are built.",
              "", table(["", ""], [
@@ -205,8 +206,9 @@ def page(name: str, data: dict, bench_dir: Path) -> str:
              + "; `make docs` then rebuilds this page.", ""]
     machine = data.get("machine")
     if isinstance(machine, dict):
-        lines += ["## Machine", "", table(["", ""], [[k, str(v) if isinstance(v, int) and not isinstance(v, bool) else v]
-                                        for k, v in machine.items()]), ""]
+        rows = [[k, str(v) if isinstance(v, int) and not isinstance(v, bool) else v]
+                for k, v in machine.items()]  # versions and counts, not quantities
+        lines += ["## Machine", "", table(["", ""], rows), ""]
     if doc:
         lines += ["## Method", "", rst_to_markdown(doc), ""]
     if args is not None:

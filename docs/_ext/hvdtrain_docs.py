@@ -42,7 +42,8 @@ def resolve_short_name(target: str, here: str, names: list[str]) -> str | None:
 
     Among ``names`` ending in ``.target`` (or equal to it), the one sharing the longest leading
     part with ``here``; among those, the shortest (a package's re-export,
-    ``hvdtrain.torch.distribute``, over its defining module's ``hvdtrain.torch.adapter.distribute``).
+    ``hvdtrain.torch.distribute``, over its defining module's
+    ``hvdtrain.torch.adapter.distribute``).
     None when there is none, or when two different names of the same length tie (ambiguous: the
     docstring has to say which).
     """

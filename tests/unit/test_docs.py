@@ -263,7 +263,8 @@ def test_short_references_resolve_to_the_nearest_object():
 def test_benchmark_pages_come_from_the_json(tmp_path):
     bench = ROOT / "benchmarks"
     pages = benchmark_pages.write_pages(bench, tmp_path)
-    assert sorted(p.stem for p in pages) == sorted(p.stem for p in (bench / "results").glob("*.json"))
+    assert sorted(p.stem for p in pages) == sorted(
+        p.stem for p in (bench / "results").glob("*.json"))
     for page in pages:
         text = page.read_text()
         data = json.loads((bench / "results" / f"{page.stem}.json").read_text())
