@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from hvdtrain.runtime import DEVICES
-from hvdtrain import schedule
+from hvdtrain import progress, schedule
 from hvdtrain.schedule import LR_SCALING_RULES, LR_SCHEDULES
 
 FRAMEWORKS = ("torch", "keras")
@@ -277,6 +277,10 @@ class TrainConfig:
             if not Path(self.data_dir).expanduser().exists():
                 raise ConfigError(f"--data-dir {self.data_dir!r} does not exist; pass the "
                                   "directory with MNIST's four IDX files or an .npz file")
+        try:  # rank 0's progress output (hvdtrain.progress): a bad variable, named now
+            progress.check_env()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if not self.init_loss_scale > 0:
             raise ConfigError(f"--init-loss-scale must be > 0; got {self.init_loss_scale!r}")
         if not self.lr > 0:

@@ -16,7 +16,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from hvdtrain import datasets
+from hvdtrain import datasets, progress
 from hvdtrain.config import TrainConfig
 from hvdtrain.keras import adapter, checkpoint, sharding
 from hvdtrain.keras.callbacks import SyncBuffersCallback, callbacks as fit_callbacks
@@ -204,8 +204,10 @@ def _fit(cfg: TrainConfig, info, signals) -> dict:
             slow = ([SlowSteps(cfg.slow_fault(), k, micro_per_epoch, done)]
                     if cfg.fault_slow_from else [])
             model.fit(dataset, initial_epoch=initial, epochs=end, steps_per_epoch=steps,
-                      callbacks=[*callbacks, epoch_end, *slow, preemption, points],
-                      verbose=1 if (info.is_root and cfg.progress) else 0)
+                      callbacks=[*callbacks, epoch_end, *slow, preemption, points,
+                                 *progress.keras_callbacks(info.is_root and cfg.progress, steps,
+                                                           cfg.epochs, done)],
+                      verbose=progress.keras_verbose(info.is_root and cfg.progress))
             stopped = preemption.stopped
             if stopped:
                 run.preempted_stop(stopped["signal"], stopped["epoch"], stopped["batch"],

@@ -15,9 +15,8 @@ import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-from tqdm import tqdm
 
-from hvdtrain import datasets, runtime, schedule
+from hvdtrain import datasets, progress, runtime, schedule
 from hvdtrain.config import TrainConfig
 from hvdtrain.run import preempt
 from hvdtrain.run.training import Run, start
@@ -123,9 +122,9 @@ def fit(cfg: TrainConfig) -> dict:
             start_time = time.perf_counter() - part.get("seconds", 0.0)
             run.meter.start(time.perf_counter(), part.get("loss_sum", 0.0), part.get("correct", 0),
                             part.get("seen", 0), skip, sums.steps_taken)
-            bar = tqdm(total=batches_per_epoch, initial=skip, unit="batch",
-                       desc=f"epoch {epoch + 1}/{cfg.epochs}", leave=False,
-                       disable=not (info.is_root and cfg.progress))
+            # A bar on a terminal, else a line every HVDTRAIN_PROGRESS_SECONDS (a log file).
+            bar = progress.bar(batches_per_epoch, skip, f"epoch {epoch + 1}/{cfg.epochs}",
+                               enabled=info.is_root and cfg.progress)
             batches = iter(loader)
             if skip:  # the RNG as it was mid-epoch, after the epoch's iterator took its seed
                 run.restore_rng(resumed)
