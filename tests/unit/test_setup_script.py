@@ -4,6 +4,7 @@ end to end with stand-ins for the build, and scripts/patch_horovod.sh on a small
 import hashlib
 import importlib.metadata as md
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -37,18 +38,23 @@ def _exe(path: Path, text: str) -> Path:
 
 def _fake_python(tmp_path: Path, facts: dict, name: str = "python") -> Path:
     """A python for setup.sh: ``-c`` (the probe) prints ``facts``; ``-`` (the Horovod check)
-    succeeds once a wheel was "installed"; ``-m pip wheel`` records its environment and source
-    tree and writes a wheel; ``-m pip install`` records what it installs."""
+    succeeds once a wheel was "installed", printing what the build has (as a CUDA torch's build
+    with NCCL, else the CPU build with TensorFlow); ``-m pip wheel`` records its environment and
+    source tree and writes a wheel; ``-m pip install`` records what it installs."""
     prefix = tmp_path / "prefix"
     facts = {"prefix": str(prefix), "scripts": str(prefix / "bin"), **facts}
     state = tmp_path / "pystate"
     state.mkdir(parents=True, exist_ok=True)
     (state / "facts").write_text("".join(f"{k}={v}\n" for k, v in facts.items()))
+    (state / "built").write_text(
+        "frameworks PyTorch; controllers MPI, Gloo; tensor operations NCCL, MPI, Gloo\n"
+        if facts.get("torch_cuda") else
+        "frameworks TensorFlow, PyTorch; controllers MPI, Gloo; tensor operations MPI, Gloo\n")
     return _exe(tmp_path / "bin" / name, f"""#!/bin/bash
 state={state}
 case "$1" in
   -c) cat "$state/facts" ;;
-  -) cat >/dev/null; [ -f "$state/installed" ] ;;
+  -) cat >/dev/null; [ -f "$state/installed" ] && cat "$state/built" ;;
   -m)
     shift 2
     case "$1" in
@@ -332,7 +338,7 @@ def test_bad_settings_are_refused(tmp_path):
     assert _setup(_env(tmp_path), "--bogus").returncode == 2
 
 
-# ---- the GPU path end to end, with stand-ins for pip, the build and horovodrun -----------------
+# ---- the GPU path end to end, with stand-ins for pip and the build -------------------------------
 
 def _fake_source(root: Path) -> Path:
     """The files of Horovod 0.28.1 that the patches touch, as they are there."""
@@ -375,26 +381,6 @@ def _python_stubs() -> dict[str, str]:
     return {name: "\n".join(lines) + "\n" for name, lines in stubs.items()}
 
 
-CHECK_BUILD = """Horovod v0.28.1:
-
-Available Frameworks:
-    [ ] TensorFlow
-    [X] PyTorch
-    [ ] MXNet
-
-Available Controllers:
-    [X] MPI
-    [X] Gloo
-
-Available Tensor Operations:
-    [X] NCCL
-    [ ] DDL
-    [ ] CCL
-    [X] MPI
-    [X] Gloo
-"""
-
-
 def test_gpu_setup_end_to_end_with_stand_ins(tmp_path):
     if not all(shutil.which(p, path="/usr/bin:/bin") for p in ("mpirun", "mpicc", "ssh")) \
             or not os.path.exists("/usr/sbin/sshd"):
@@ -403,7 +389,6 @@ def test_gpu_setup_end_to_end_with_stand_ins(tmp_path):
     with tarfile.open(sdist, "w:gz") as tar:
         tar.add(_fake_source(tmp_path / "src" / "horovod-0.28.1"), arcname="horovod-0.28.1")
     env, nccl = _gpu_env(tmp_path, HVDTRAIN_HOROVOD_SDIST=sdist)
-    _exe(tmp_path / "prefix" / "bin" / "horovodrun", f"#!/bin/sh\ncat <<'OUT'\n{CHECK_BUILD}OUT\n")
     proc = _setup(env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
@@ -463,7 +448,6 @@ def test_offline_set_up_without_sshd_warns_and_goes_on(tmp_path):
                       HVDTRAIN_SSHD=str(tmp_path / "no-sshd"))
     calls = tmp_path / "apt-get-calls"
     _exe(tmp_path / "fakebin" / "apt-get", f"#!/bin/sh\necho \"$*\" >> {calls}\nexit 100\n")
-    _exe(tmp_path / "prefix" / "bin" / "horovodrun", f"#!/bin/sh\ncat <<'OUT'\n{CHECK_BUILD}OUT\n")
     assert "openssh-server" in _plan(env)["apt"].split()  # listed with the others, as before
     proc = _setup(env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -576,3 +560,86 @@ def test_python_diffs_apply_with_git_where_patch_is_missing(tmp_path):
             if p.is_file()}
     assert "def zero_grad(self, set_to_none=True):" in (
         with_git / "horovod/torch/optimizer.py").read_text()
+
+
+# ---- the venv's installer: uv where it can be had, else pip --------------------------------------
+
+def _installer(env: dict) -> str:
+    return _plan(env)["installer"]
+
+
+def test_installer_is_uv_when_found_or_installable_else_pip(tmp_path):
+    _fake_python(tmp_path / "venv", CPU_FACTS)
+    env = _env(tmp_path, VENV=tmp_path / "venv")
+    uv_home = tmp_path / "cache" / "tools" / "uv"
+    assert _installer(env) == f"uv (to be installed into {uv_home} with pip (once))"
+    assert _installer({**env, "PIP_NO_INDEX": "1"}) == "pip (offline (PIP_NO_INDEX) and no uv found)"
+    assert _installer({**env, "HVDTRAIN_INSTALLER": "pip"}) == "pip (HVDTRAIN_INSTALLER=pip)"
+    uv = _exe(tmp_path / "fakebin" / "uv", "#!/bin/sh\nexit 0\n")
+    assert _installer(env) == f"uv {uv} (found)"
+    assert _installer({**env, "PIP_NO_INDEX": "1"}) == f"uv {uv} (found)"
+    uv.unlink()
+    cached = _exe(uv_home / "bin" / "uv", "#!/bin/sh\nexit 0\n")
+    assert _installer(env) == f"uv {cached} (found)"
+    assert _installer({**env, "HVDTRAIN_UV": str(cached)}) == f"uv {cached} (found)"
+    # Not in a user's own environment (HVDTRAIN_PYTHON): pip there.
+    py = _fake_python(tmp_path / "own", CPU_FACTS)
+    assert _installer(_env(tmp_path, HVDTRAIN_PYTHON=py)) == \
+        "pip (HVDTRAIN_PYTHON: pip in that environment)"
+    # A new venv's plan says so too.
+    assert _installer(_env(tmp_path, VENV=tmp_path / "new")) == f"uv {cached} (found)"
+    for bad in ({"HVDTRAIN_INSTALLER": "conda"}, {"HVDTRAIN_UV": str(tmp_path / "nope")}):
+        proc = _setup({**env, **bad}, "--plan")
+        assert proc.returncode == 1, proc.stdout
+        assert ("HVDTRAIN_INSTALLER must be auto, uv or pip, not 'conda'" in proc.stderr
+                or f"HVDTRAIN_UV={tmp_path / 'nope'}: no such program" in proc.stderr)
+
+
+def test_cpu_venv_set_up_with_uv_end_to_end_with_stand_ins(tmp_path):
+    """A new venv through uv (a stand-in recording its calls): uv makes the venv, installs the
+    pinned stack in one resolution with the constraints and pip's find-links (where this machine
+    keeps torch's CPU build), then Horovod's cached wheel and hvdtrain, editable."""
+    if not all(shutil.which(p, path="/usr/bin:/bin") for p in ("mpirun", "mpicc")):
+        pytest.skip("Open MPI missing: setup.sh would apt-get install it")
+    sdist = tmp_path / "horovod-0.28.1.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        tar.add(_fake_source(tmp_path / "src" / "horovod-0.28.1"), arcname="horovod-0.28.1")
+    python = _fake_python(tmp_path, CPU_FACTS)
+    venv = tmp_path / "venv"
+    calls = tmp_path / "uv-calls"
+    uv = _exe(tmp_path / "fakebin" / "uv", f"""#!/bin/bash
+echo "$*" >> {calls}
+case "$1" in
+  venv) mkdir -p "${{@: -1}}/bin" && cp {python} "${{@: -1}}/bin/python" ;;
+  pip) case "$*" in
+         *.whl*) touch {tmp_path / "pystate" / "installed"} ;;
+         *" -e "*) touch {venv}/bin/hvdtrain && chmod +x {venv}/bin/hvdtrain ;;
+       esac ;;
+esac
+""")
+    env = _env(tmp_path, None, VENV=venv, HVDTRAIN_HOROVOD_SDIST=sdist,
+               PIP_FIND_LINKS=f"{tmp_path / 'wheels'} {tmp_path / 'more'}",
+               HVDTRAIN_SSHD=tmp_path / "no-sshd", PIP_NO_INDEX="1")
+    proc = _setup(env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    phases = [re.sub(r"\(\d+ s\)$", "(N s)", line) for line in proc.stdout.splitlines()]
+    assert phases[1:3] == [
+        f"[setup] creating {venv} (uv) ... done (N s)",
+        f"[setup] installing the pinned stack into {venv} with uv (first time: a few minutes)"
+        " ... done (N s)"]
+    assert ("[setup] Horovod built with frameworks TensorFlow, PyTorch; controllers MPI, Gloo; "
+            "tensor operations MPI, Gloo") in phases
+    assert proc.stdout.splitlines()[-1].startswith(f"[setup] ready: {venv} (Horovod 0.28.1, ")
+    made, stack, tf_keras, horovod, editable = calls.read_text().splitlines()
+    assert made == f"venv --python python3.11 {venv}"
+    links = (f"--find-links {tmp_path / 'wheels'} --find-links {tmp_path / 'more'} "
+             "--no-index")
+    constraints = ROOT / "requirements" / "constraints.txt"
+    assert stack.startswith(f"pip install --python {venv}/bin/python {links} -c {constraints} "
+                            "pip wheel setuptools torch tensorflow-cpu keras ")
+    assert tf_keras.endswith(f"-c {constraints} --no-deps tf-keras")
+    assert horovod.startswith(f"pip install --python {venv}/bin/python {links} --no-deps "
+                              "--reinstall ") and horovod.endswith(".whl")
+    assert editable.endswith(f"--no-deps --no-build-isolation -e {ROOT}")
+    assert not (tmp_path / "pystate" / "pip-install").exists()  # pip was not used
+    assert uv.exists()
