@@ -28,9 +28,8 @@ kill it before the ranks are done. SIGINT (Ctrl-C) stops the job: it goes to the
 process group (``horovodrun`` over MPI is ``/bin/sh -c mpirun ...``, and a shell does not pass it
 on) and to every rank; whatever still runs :data:`INTERRUPT_GRACE_S` seconds later is killed.
 
-``mpirun`` (also under ``horovodrun`` over MPI) is started with SIGTERM blocked, so that a
-SIGTERM sent to every process of the job (Slurm's ``scancel``) does not make it SIGKILL the ranks
-a second later, before their checkpoint; Open MPI unblocks every signal in the ranks it starts.
+``mpirun`` (also under ``horovodrun`` over MPI) is started with SIGTERM blocked
+(:attr:`RankSignals.blocks_sigterm`).
 
 Run as ``python -m hvdtrain.launch.signals --signal TERM --launch-id ID`` it signals this host's
 ranks of that launch and prints how many it signalled.
@@ -148,9 +147,6 @@ def catches(pid: int, sig: int, proc: str | os.PathLike = "/proc") -> bool | Non
 
 
 def _alive(pid: int, proc: Path) -> bool:
-    stat = _stat(pid, proc)
-    if stat is None:
-        return False
     try:  # a zombie has exited
         return (proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
