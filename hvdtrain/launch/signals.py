@@ -29,7 +29,7 @@ process group (``horovodrun`` over MPI is ``/bin/sh -c mpirun ...``, and a shell
 on) and to every rank; whatever still runs :data:`INTERRUPT_GRACE_S` seconds later is killed.
 
 ``mpirun`` (also under ``horovodrun`` over MPI) is started with SIGTERM blocked
-(:attr:`RankSignals.blocks_sigterm`).
+(``RankSignals.blocks_sigterm``).
 
 Run as ``python -m hvdtrain.launch.signals --signal TERM --launch-id ID`` it signals this host's
 ranks of that launch and prints how many it signalled.
