@@ -206,8 +206,8 @@ def fresh_allreduce(path: Path) -> Path:
     ns = argparse.Namespace(min_bytes=4096, max_bytes=64 << 20, iters=20, warmup=3)
     impl = "horovod-mpi-cycle0.1"
     out = common.run_json(allreduce.launch_argv(impl, 2, ns), env)
-    path.write_text(json.dumps({"np": 2, "machine": common.machine() if hasattr(
-        common, "machine") else {}, "seconds": {impl: out["seconds"]}}))
+    path.write_text(json.dumps({"np": 2, "machine": common.machine(),
+                                "seconds": {impl: out["seconds"]}}))
     return path
 
 
@@ -344,7 +344,8 @@ def main(argv=None) -> int:
         return 0
     fresh = Path(args.allreduce_json) if args.allreduce_json else None
     if args.fresh_allreduce and not args.skip_here:
-        fresh = fresh_allreduce(Path(args.out).with_name("plan_check.allreduce.json"))
+        import tempfile
+        fresh = fresh_allreduce(Path(tempfile.gettempdir()) / "hvdtrain-plan_check.allreduce.json")
         print(f"measured the all-reduce here now: {fresh}")
 
     print("== predictions: published clusters (inputs: single-GPU throughput, parameters, network)")
@@ -402,15 +403,23 @@ def main(argv=None) -> int:
     gaps = [abs(r["predicted"] - r["published"]) * 100 for r in published if "predicted" in r]
     print(f"published: within 10 points: {sum(g <= 10 for g in gaps)} of {len(gaps)}")
     out = Path(args.out)
-    result = {"allreduce_used": str(fresh or clusters.find_allreduce_json()),
+    sys.path.insert(0, str(HERE))
+    import common
+    result = {"machine": common.machine(),
+              "allreduce_used": "measured here by --fresh-allreduce (allreduce_here)" if fresh else
+              str(clusters.find_allreduce_json()),
+              "allreduce_here": json.loads(fresh.read_text()) if fresh else None,
               "sources": PUBLISHED_SOURCES, "inputs": {"p100_img_s": P100, "k80": K80,
                                                        "params": PARAMS},
               "here": here, "published": published, "allreduce": ar}
     if out.exists():  # keep the last measured rows of the paths not measured now
         done = set() if args.skip_here else set(args.paths.split(","))
-        kept = [r for r in json.loads(out.read_text()).get("here", [])
-                if r["model"].split("/")[0] not in done]
+        old = json.loads(out.read_text())
+        kept = [r for r in old.get("here", []) if r["model"].split("/")[0] not in done]
         result["here"] = kept + here
+        if not fresh and old.get("allreduce_here"):
+            result["allreduce_here"] = old["allreduce_here"]
+            result["allreduce_used"] = old.get("allreduce_used")
     out.write_text(json.dumps(result, indent=1, default=str))
     plot(result["here"], published, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
