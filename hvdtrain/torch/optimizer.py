@@ -41,6 +41,7 @@ It is seen by the tensor's version counter, which every in-place PyTorch operati
 """
 from __future__ import annotations
 
+import functools
 import types
 
 import horovod.torch as hvd
@@ -123,8 +124,9 @@ def _collect(optimizer, p: torch.Tensor, keep: bool) -> None:
         p.grad.set_(optimizer._compression.decompress(output, ctx))
 
 
-def _before_accumulation(optimizer, p: torch.Tensor) -> None:
-    """Run when a backward pass brings ``p`` a gradient, before it is added to ``p.grad``."""
+def _before_accumulation(optimizer, p: torch.Tensor, grad=None) -> None:
+    """Run when a backward pass brings ``p`` a gradient ``grad``, before it is added to
+    ``p.grad``."""
     entry = optimizer._handles.get(p)
     if entry is None:
         return
@@ -141,7 +143,7 @@ def _hook_new_parameters(optimizer) -> None:
     """A :func:`_before_accumulation` hook on each parameter Horovod hooks and this has not yet
     (all at first; later those that Horovod registers late: scripts/horovod_patches/05-*)."""
     for p in optimizer._requires_update - optimizer.hvdtrain_hooked:
-        p.register_hook(lambda grad, p=p: _before_accumulation(optimizer, p))
+        p.register_hook(functools.partial(_before_accumulation, optimizer, p))
         optimizer.hvdtrain_hooked.add(p)
 
 
