@@ -48,7 +48,8 @@ PUBLISHED_SOURCES = {
     "horovod-readme-512": "Horovod README / docs/benchmarks.rst (since v0.12): 128 servers x 4 "
                           "Pascal GPUs, 'RoCE-capable 25 Gbit/s network': 90 % Inception V3, 90 % "
                           "ResNet-101, 68 % VGG-16 at 512 GPUs",
-    "horovod-paper-fig7": "Sergeev & Del Balso 2018, Fig. 7: RDMA vs TCP on the same cluster at 128 "
+    "horovod-paper-fig7": "Sergeev & Del Balso 2018, Fig. 7: RDMA vs TCP on the same cluster at "
+                          "128 "
                           "GPUs: +3-4 % for Inception V3 and ResNet-101, about +30 % for VGG-16 "
                           "(a ratio; no absolute efficiency for VGG-16 over TCP is given)",
     "tf-k80-distributed": TF_BENCH + ", 'Details for Amazon EC2 Distributed (NVIDIA Tesla K80)': "

@@ -191,6 +191,12 @@ def cmd_plan(args) -> int:
         print(f"hvdtrain plan: {e}", file=sys.stderr)
         return 2
     p1 = profile_for(1)
+    noisy = [n for n in ranks
+             if profile_for(n).jitter_s > 0.2 * profile_for(n).micro_batch_s]
+    if noisy:
+        print(f"hvdtrain plan: note: step times varied by more than 20 % while measuring (N = "
+              f"{', '.join(map(str, noisy))}): this machine is busy; rerun when it is quiet, or "
+              "give --step-time-ms", file=sys.stderr)
     print(f"model: {args.model if args.params is None else f'{args.params:.3g} parameters'}; "
           f"{p1.gradient_bytes / 1e6:.2f} MB of gradients in {len(p1.gradients)} tensors")
     print(f"compute (N=1): {p1.source}: forward {p1.forward_s * 1e3:.2f} ms, backward "

@@ -234,7 +234,8 @@ def profile_from_step_time(step_s: float, batch_size: int,
     grads, start = [], 0.0
     for tensors, share in segments:
         for i, (name, nbytes) in enumerate(tensors):
-            grads.append(Gradient(name, nbytes, backward * (start + share * (i + 1) / len(tensors))))
+            at = start + share * (i + 1) / len(tensors)
+            grads.append(Gradient(name, nbytes, backward * at))
         start += share
     return ComputeProfile(batch_size, forward, backward, 0.0, tuple(grads), source)
 
