@@ -54,7 +54,7 @@ def train(device, memory_format, compression, k):
     if hvd.size() == 1:
         # Horovod registers its gradient hooks only at size > 1; register them here, so that on
         # one GPU too every gradient goes through the NCCL all-reduce (and, for channels_last,
-        # through the contiguous copies of hvdtrain's _DenseLayout), as on many GPUs.
+        # through the contiguous copies of hvdtrain.torch.optimizer.DenseLayout), as on many GPUs.
         optimizer._register_hooks()
     grad_formats, allreduced = [], []
     for (x, y), micro in ht.micro_batches(batches(), k):
