@@ -18,7 +18,8 @@ import os
 import sys
 
 from hvdtrain import __version__, guard, runtime
-from hvdtrain.config import ConfigError, TrainConfig, add_arguments
+from hvdtrain.config import ConfigError, TrainConfig
+from hvdtrain.config_args import add_arguments
 
 
 # What ``hvdtrain --help`` and the sub-commands' help say (plain text: argparse prints it as is).
@@ -78,7 +79,7 @@ def _fail(message: str, code: int = 2) -> int:
 
 def add_train_args(parser: argparse.ArgumentParser) -> None:
     """The options of ``hvdtrain train``, as :class:`TrainConfig` declares them
-    (:func:`hvdtrain.config.add_arguments`)."""
+    (:func:`hvdtrain.config_args.add_arguments`)."""
     add_arguments(parser)
 
 

@@ -103,7 +103,8 @@ def test_fault_slow_from_sleeps_from_its_step_on(tmp_path, monkeypatch):
 def test_every_option_is_declared_once_with_help_and_reaches_the_parser():
     import argparse
 
-    from hvdtrain.config import add_arguments, cli_fields, flag_of
+    from hvdtrain.config import cli_fields, flag_of
+    from hvdtrain.config_args import add_arguments
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     actions = {a.dest: a for a in parser._actions}
@@ -122,15 +123,16 @@ def test_every_option_is_declared_once_with_help_and_reaches_the_parser():
 def test_each_visible_option_is_in_one_help_group(monkeypatch):
     import argparse
 
-    from hvdtrain.config import OPTION_GROUPS, add_arguments, cli_fields
+    from hvdtrain.config import cli_fields
+    from hvdtrain.config_args import OPTION_GROUPS, add_arguments
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     groups = {g.title: [a.dest for a in g._group_actions] for g in parser._action_groups}
     assert list(groups)[-len(OPTION_GROUPS):] == list(OPTION_GROUPS)
     placed = [d for title in OPTION_GROUPS for d in groups[title]]
     assert sorted(placed) == sorted(f.name for f in cli_fields() if not f.metadata["hidden"])
-    import hvdtrain.config as config
-    monkeypatch.setattr(config, "OPTION_GROUPS", dict(OPTION_GROUPS, extra=(None, ("dropout",))))
+    import hvdtrain.config_args as config_args
+    monkeypatch.setattr(config_args, "OPTION_GROUPS", dict(OPTION_GROUPS, extra=(None, ("dropout",))))
     with pytest.raises(ValueError, match="OPTION_GROUPS must hold each visible option once"):
         add_arguments(argparse.ArgumentParser())
 
