@@ -48,7 +48,22 @@ def native(value):
         value = value.value
     if NAME == "tensorflow":
         return tf.convert_to_tensor(value)
-    return value.detach().contiguous() if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+    if not isinstance(value, torch.Tensor):
+        return torch.as_tensor(value)
+    out = value.detach().contiguous()
+    if _variable_storage(value) and out.untyped_storage().data_ptr() == \
+            value.untyped_storage().data_ptr():
+        # A variable's own storage (a Keras torch variable is a Parameter; ops.cast to its own
+        # dtype returns it, ops.reshape a view of it): grouped_average must not overwrite it.
+        out._hvdtrain_variable = True
+    return out
+
+
+def _variable_storage(t) -> bool:
+    """Whether torch tensor ``t`` is a ``Parameter`` (a Keras variable's value) or a view of
+    one."""
+    return isinstance(t, torch.nn.Parameter) or (t._is_view()
+                                                 and isinstance(t._base, torch.nn.Parameter))
 
 
 def grouped_average(tensors: list, compression: str = "none",
@@ -73,8 +88,38 @@ def grouped_average(tensors: list, compression: str = "none",
         op = hvd.Sum
         scaling = {"prescale_factor": 1.0 / gradient_predivide_factor,
                    "postscale_factor": gradient_predivide_factor / hvd.size()}
+    if NAME == "torch":
+        return _torch_grouped_average_(list(tensors), COMPRESSIONS[compression], op, name,
+                                       scaling)
     return list(hvd.grouped_allreduce(list(tensors), op=op, compression=COMPRESSIONS[compression],
                                       name=name, **scaling))
+
+
+def _torch_grouped_average_(tensors: list, compression, op, name: str | None,
+                            scaling: dict) -> list:
+    """:func:`grouped_average` on the torch backend, with Horovod's in-place grouped all-reduce
+    (``grouped_allreduce_async_`` + ``synchronize``), as Horovod's PyTorch
+    ``DistributedOptimizer`` reduces ``p.grad``.
+
+    ``hvd.grouped_allreduce`` (out of place) allocates an output per tensor, copies the input
+    into it and runs through an autograd ``Function``; the gradients passed here are the step's
+    ``.grad`` tensors, which Keras's torch trainer drops after the step (``zero_grad`` sets them
+    to ``None``), so they are reduced where they lie: THE TENSORS GIVEN ARE OVERWRITTEN with
+    the result. A tensor that may be someone else's storage is copied first: a Keras variable's
+    (marked by :func:`native`), a ``Parameter`` or a view of one, one that needs grad or is
+    not contiguous. With ``compression="fp16"`` the float16 copies are reduced (in place) and
+    turned back into the input dtype, as ``hvd.grouped_allreduce`` does.
+    """
+    sent, ctxs = [], []
+    for t in tensors:
+        if (getattr(t, "_hvdtrain_variable", False) or _variable_storage(t)
+                or t.requires_grad or not t.is_contiguous()):
+            t = t.detach().clone(memory_format=torch.contiguous_format)
+        c, ctx = compression.compress(t)
+        sent.append(c)
+        ctxs.append(ctx)
+    hvd.synchronize(hvd.grouped_allreduce_async_(sent, op=op, name=name, **scaling))
+    return [compression.decompress(c, ctx) for c, ctx in zip(sent, ctxs)]
 
 
 def allreduce_numpy(values: np.ndarray, op: str, name: str) -> np.ndarray:
