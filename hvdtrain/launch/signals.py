@@ -11,7 +11,8 @@ gives the job's environment a fresh :data:`LAUNCH_ID_VAR` and, on a signal, send
 the job's rank processes themselves, on this host (found in ``/proc``) and on every other host of
 the job (over ssh, running this module there). The ranks checkpoint and exit 75
 (:mod:`hvdtrain.run.preempt`), and the launcher ends as it ends for any job whose ranks exit, with
-their status. Under ``srun`` the signal goes to srun, which hands it to the tasks.
+their status. Under ``srun`` SIGUSR1 goes to srun, which hands it to the tasks; SIGTERM, which
+srun would turn into killing them, goes to the ranks as above.
 
 A rank is told apart by what its own launcher gave it: a rank variable (:data:`RANK_VARS`) that
 the launch's own environment did not already hold with the same value (an sbatch shell's
@@ -128,8 +129,7 @@ def rank_pids(launch_id: str, proc: str | os.PathLike = "/proc",
 
 
 def inherited_rank_vars(env: Mapping[str, str]) -> dict[str, str]:
-    """The :data:`RANK_VARS` that ``env`` (a launch's own environment) holds: every process the
-    launch starts inherits them, so they mark no rank."""
+    """The :data:`RANK_VARS` of ``env`` (a launch's own environment): they mark no rank."""
     return {name: env[name] for name in RANK_VARS if name in env}
 
 
@@ -182,8 +182,7 @@ def signal_local_ranks(sig: int, launch_id: str, proc: str | os.PathLike = "/pro
                     sent.add(pid)
                 except (ProcessLookupError, PermissionError):
                     pass
-        if found and first_seen is None:
-            first_seen = time.monotonic()
+        first_seen = time.monotonic() if found and first_seen is None else first_seen
         pending = [pid for pid in found if pid not in sent and _alive(pid, root)]
         settled = first_seen is not None and time.monotonic() - first_seen >= 0.5
         if late or (sent and not pending and settled):
@@ -229,7 +228,7 @@ class RankSignals:
         argv: the launcher's command line.
         env: its environment; a fresh :data:`LAUNCH_ID_VAR` is set in it (an inherited one, from
             another launch's environment, is replaced: it would make that job's ranks ours).
-        launcher: ``horovodrun``, ``mpirun`` or ``srun`` (srun: signals go to srun itself).
+        launcher: ``horovodrun``, ``mpirun`` or ``srun`` (srun: SIGUSR1 goes to srun itself).
         hosts: the job's other hosts' names, reached over ssh with ``ssh_port`` and
             ``ssh_identity_file``; a callable is asked at the signal (elastic: the discovery
             script's hosts then).
@@ -286,9 +285,12 @@ class RankSignals:
         """Send ``sig`` (SIGTERM or SIGUSR1) to every rank of the job (or to srun), holding it
         up to ``hold_s`` for ranks that do not catch it yet; with no rank found anywhere by
         then, to the launcher."""
-        if self.proc is None:
-            return
-        if self.launcher == "srun":  # srun hands it to its tasks: once this host's catch it
+        while self.proc is None:  # came while the launcher was being started
+            time.sleep(0.01)
+        if self.launcher == "srun" and sig != signal.SIGTERM:
+            # srun hands SIGUSR1 to its tasks (on every host), once this host's catch it; a
+            # SIGTERM it would turn into killing them, so that one goes to the ranks as below
+            # (on this host at least: one rank's signal stops every rank at the same step).
             self._wait_until_caught(sig)
             self._to_launcher(sig)
             return
@@ -305,8 +307,7 @@ class RankSignals:
                                   sig == signal.SIGTERM else sig)
 
     def _wait_until_caught(self, sig: int) -> None:
-        """Up to ``hold_s``: until this host's ranks exist and all catch ``sig`` (none here after
-        3 s: the tasks run on other hosts, srun's business)."""
+        """Up to ``hold_s``: until this host's ranks exist (3 s) and all catch ``sig``."""
         started = time.monotonic()
         while time.monotonic() - started < self.hold_s and self.proc.poll() is None:
             pids = rank_pids(self.launch_id, inherited=self.inherited)
@@ -319,8 +320,8 @@ class RankSignals:
     def interrupt(self) -> None:
         """Ctrl-C: SIGINT to the launcher's process group and to every rank; whatever of the
         job still runs :data:`INTERRUPT_GRACE_S` seconds later is killed (SIGKILL)."""
-        if self.proc is None:
-            return
+        while self.proc is None:  # came while the launcher was being started
+            time.sleep(0.01)
         print("hvdtrain: SIGINT: stopping the job", file=sys.stderr, flush=True)
         self._to_group(signal.SIGINT)
         if self.launcher != "srun":
@@ -337,6 +338,9 @@ class RankSignals:
     def _to_group(self, sig: int) -> None:
         try:
             os.killpg(self.proc.pid, sig)  # the launcher leads its own session and group
+            if sig == signal.SIGINT and self.launcher == "srun":
+                time.sleep(0.2)  # srun aborts on a second SIGINT within a second
+                os.killpg(self.proc.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
 
@@ -347,13 +351,11 @@ class RankSignals:
             pass
 
     def _in_thread(self, target, *args) -> None:
-        thread = threading.Thread(target=target, args=args, daemon=True)
-        self._threads.append(thread)
-        thread.start()
+        self._threads.append(threading.Thread(target=target, args=args, daemon=True))
+        self._threads[-1].start()
 
     def start(self) -> subprocess.Popen:
-        """Start the launcher in its own session; an MPI launcher with SIGTERM blocked
-        (:attr:`blocks_sigterm`)."""
+        """Start the launcher in its own session (an MPI one with SIGTERM blocked)."""
         blocked = {signal.SIGTERM} if self.blocks_sigterm else set()
         self.proc = subprocess.Popen(
             self.argv, env=self.env, start_new_session=True,
@@ -363,12 +365,12 @@ class RankSignals:
 
     def run(self) -> int:
         """Start the launcher, hand signals on until it exits, return its exit status."""
-        self.start()
         previous = {sig: signal.signal(sig, lambda signum, frame: self._in_thread(
             self.deliver, signum)) for sig in FORWARDED}
         previous[signal.SIGINT] = signal.signal(
             signal.SIGINT, lambda signum, frame: self._in_thread(self.interrupt))
         try:
+            self.start()  # a signal from here on is handed on (it waits for the start)
             code = self.proc.wait()
             for thread in self._threads:  # a delivery under way finishes (and says so)
                 thread.join(timeout=self.hold_s + 35)
@@ -384,10 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hvdtrain.launch.signals")
     parser.add_argument("--signal", required=True, choices=("TERM", "USR1", "INT", "KILL"))
     parser.add_argument("--launch-id", required=True)
-    parser.add_argument("--inherited", action="append", default=[], metavar="NAME=VALUE",
-                        help="a rank variable of the launch's own environment (marks no rank)")
-    parser.add_argument("--hold", type=float, default=0.0,
-                        help="seconds to hold the signal for ranks that do not catch it yet")
+    parser.add_argument("--inherited", action="append", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--hold", type=float, default=0.0, metavar="SECONDS")
     args = parser.parse_args(argv)
     inherited = dict(item.split("=", 1) for item in args.inherited if "=" in item)
     print(signal_local_ranks(signal.Signals["SIG" + args.signal], args.launch_id,

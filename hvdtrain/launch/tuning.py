@@ -94,15 +94,16 @@ def launch_tuning(mode: str = "auto", gpus: int = 0,
         mode: ``auto``, ``on`` (``mpi_yield_when_idle=1``) or ``off``
             (``mpi_yield_when_idle=0``, Open MPI's default, set explicitly so that no rank's
             :func:`rank_settings` turns yielding on). ``on`` and ``off`` override an
-            ``OMPI_MCA_mpi_yield_when_idle`` in the environment; with ``auto`` a value from the
-            environment applies when ``auto`` would turn yielding off.
+            ``OMPI_MCA_mpi_yield_when_idle`` in the environment. ``auto`` where GPUs are
+            visible sets nothing: each rank's own rule applies (GPU ranks busy-poll, CPU ranks
+            yield), or a value from the environment.
         gpus: GPUs visible on this host (:func:`visible_gpus`); only ``auto`` reads it.
         env: the launch environment, only to mention an ``OMPI_MCA_mpi_yield_when_idle`` in it.
 
     Returns:
-        ``({mca name: value}, reason)``: the ``-mca`` settings to add (empty only where
-        ``auto`` leaves an inherited ``OMPI_MCA_mpi_yield_when_idle`` in force) and one sentence
-        saying what was chosen and why, for the user.
+        ``({mca name: value}, reason)``: the ``-mca`` settings to add (empty where ``auto``
+        leaves it to each rank or to the environment) and one sentence saying what was chosen
+        and why, for the user.
 
     Raises:
         ValueError: ``mode`` is not one of :data:`YIELD_MODES`, or ``gpus`` < 0.
@@ -127,10 +128,10 @@ def launch_tuning(mode: str = "auto", gpus: int = 0,
     if mode == "auto" and inherited is not None:
         return {}, (f"{why}; OMPI_MCA_{YIELD_MCA}={inherited} from the environment applies "
                     "(--yield-when-idle on/off overrides it)")
-    reason = f"idle MPI ranks busy-poll (Open MPI's default, {YIELD_MCA}=0): {why}"
-    if mode == "auto":
-        reason += "; --yield-when-idle on forces yielding"
-    return {YIELD_MCA: "0"}, reason
+    if mode == "auto":  # each rank's own rule (tuning.rank_settings): GPU ranks busy-poll
+        return {}, (f"GPU ranks busy-poll (Open MPI's default), CPU ranks yield their core: "
+                    f"{why}; --yield-when-idle on/off sets it for every rank")
+    return {YIELD_MCA: "0"}, f"idle MPI ranks busy-poll (Open MPI's default, {YIELD_MCA}=0): {why}"
 
 
 def horovod_knobs(fusion_threshold_mb: int | None = None, cycle_time_ms: float | None = None,

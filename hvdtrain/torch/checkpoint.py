@@ -89,9 +89,10 @@ def load_optimizer(optimizer: torch.optim.Optimizer, state: dict) -> dict[str, t
     counts) comes from the checkpoint. The learning-rate entries (:data:`SCHEDULE_ENTRIES`) are
     left to the schedule, which sets them from this run's ``--lr`` and step.
 
-    A buffer the new settings do not use stays as saved (SGD at momentum 0 neither reads nor
-    updates ``momentum_buffer``); one they need and the checkpoint lacks starts as the
-    optimizer starts it (SGD: the first gradient).
+    A momentum buffer is dropped where this run's momentum is 0 (SGD neither reads nor updates
+    it then, and a later resume at a momentum again would start from the stale one, where Keras
+    starts a new slot at zero); one the new settings need and the checkpoint lacks starts as
+    the optimizer starts it (SGD: the first gradient).
 
     Args:
         optimizer: the plain ``torch.optim`` optimizer this run built (before
@@ -116,4 +117,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, state: dict) -> dict[str, t
             if key in theirs and theirs[key] != value and key not in changed:
                 changed[key] = (theirs[key], value)
             group[key] = value
+        if group.get("momentum", None) == 0:
+            for p in group["params"]:
+                optimizer.state.get(p, {}).pop("momentum_buffer", None)
     return changed

@@ -74,6 +74,8 @@ class DenseLayout:
 
     def decompress(self, tensor: torch.Tensor, ctx) -> torch.Tensor:
         """The reduced tensor, in the memory format of the tensor given to :meth:`compress`."""
+        if ctx is None:  # Horovod's sparse path (an all-gather) passes no context
+            return self.inner.decompress(tensor, None)
         like, inner_ctx = ctx[:2]
         out = self.inner.decompress(tensor, inner_ctx)
         return out if like is None else torch.empty_like(like).copy_(out)

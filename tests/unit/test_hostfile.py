@@ -160,10 +160,10 @@ def test_yield_when_idle_auto_is_on_for_cpu_hosts_and_off_for_gpu_hosts():
                              "visible on this host")
     assert reason.endswith("--yield-when-idle off turns this off")
     mca, reason = tuning.launch_tuning("auto", gpus=4)
-    assert mca == {"mpi_yield_when_idle": "0"}  # said, and set: no rank turns it on
-    assert reason.startswith("idle MPI ranks busy-poll (Open MPI's default, "
-                             "mpi_yield_when_idle=0): 4 GPUs visible on this host")
-    assert reason.endswith("--yield-when-idle on forces yielding")
+    assert mca == {}  # each rank's own rule: a CPU rank on a GPU host still yields
+    assert reason.startswith("GPU ranks busy-poll (Open MPI's default), CPU ranks yield their "
+                             "core: 4 GPUs visible on this host")
+    assert reason.endswith("--yield-when-idle on/off sets it for every rank")
     assert "1 GPU visible" in tuning.launch_tuning("auto", gpus=1)[1]
 
 
