@@ -387,6 +387,14 @@ uv_find_links() {
 uv_links=() uv_links_read=''
 read_uv_links() {  # once, in the set-up's own shell (the phases run in subshells)
   [ -z "$uv_links_read" ] || return 0
+  # pip's CA bundle (PIP_CERT, pip config's cert) for uv, which reads SSL_CERT_FILE only: behind a
+  # TLS-inspecting proxy (a container build lent the host's pip settings) uv otherwise fails with
+  # 'invalid peer certificate: UnknownIssuer' where pip works.
+  if [ -z "${SSL_CERT_FILE:-}" ]; then
+    local cert=${PIP_CERT:-$("$PYTHON" -m pip config get global.cert 2>/dev/null || true)}
+    cert=${cert//\'/} cert=${cert//\"/}
+    if [ -n "$cert" ] && [ -f "$cert" ]; then export SSL_CERT_FILE=$cert; fi
+  fi
   mapfile -t uv_links < <(uv_find_links)
   [ -z "${PIP_NO_INDEX:-}" ] || uv_links+=(--no-index)
   uv_links_read=1
@@ -562,10 +570,14 @@ if [ -z "$TARGET_PYTHON" ]; then
     fi
   fi
   install_stack() {
-    if [ "$inst" = uv ]; then
-      # One resolution; torch's pin (constraints) and pip's find-links keep its CPU build.
-      venv_install -c "$CONSTRAINTS" pip wheel setuptools torch "${STACK[@]}"
+    if [ "$inst" = uv ] && venv_install -c "$CONSTRAINTS" pip wheel setuptools torch "${STACK[@]}"
+    then
+      :  # one resolution; torch's pin (constraints) and pip's find-links keep its CPU build
     else
+      if [ "$inst" = uv ]; then  # (a venv made by uv has no pip of its own)
+        echo "uv failed to install the stack: pip it is" >&2
+        "$PY" -m pip --version >/dev/null 2>&1 || "$PY" -m ensurepip --upgrade
+      fi
       "${PIP[@]}" --upgrade pip wheel setuptools
       # torch first, on its own, so that nothing drags in a CUDA build.
       "${PIP[@]}" torch
