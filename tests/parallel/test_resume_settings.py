@@ -70,12 +70,11 @@ def test_resume_uses_the_momentum_and_lr_given_at_the_resume(tmp_path, framework
         assert {g["momentum"] for g in old["optimizer"]["param_groups"]} == {0.9}
         # Before: 0.9, the checkpoint's, restored by load_state_dict.
         assert {g["momentum"] for g in new["optimizer"]["param_groups"]} == {0.0}
-        # SGD at momentum 0 neither reads nor moves the buffers: epoch 2 left them as they were
-        # (at 0.9 it would have changed every one).
+        # At momentum 0 the buffers are dropped (a later resume at 0.9 starts them afresh, as
+        # Keras starts a new slot at zero), as the momentum slots are on Keras.
         state_new, state_old = new["optimizer"]["state"], old["optimizer"]["state"]
-        assert sorted(state_new) == sorted(state_old) and state_old
-        for i in state_old:
-            assert torch.equal(state_new[i]["momentum_buffer"], state_old[i]["momentum_buffer"])
+        assert state_old and all("momentum_buffer" in s for s in state_old.values())
+        assert not any("momentum_buffer" in s for s in state_new.values())
         # ... while the weights did train.
         assert any(not torch.equal(new["model"][k], old["model"][k]) for k in new["model"])
     else:

@@ -24,24 +24,22 @@ def _sgd_state(momentum: float, steps: int = 2) -> tuple[torch.nn.Linear, dict]:
     return model, opt.state_dict()
 
 
-def test_torch_resume_keeps_this_runs_momentum_and_the_checkpoints_buffers():
+def test_torch_resume_keeps_this_runs_momentum_and_drops_buffers_it_does_not_use():
     model, state = _sgd_state(0.9)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.0, weight_decay=0.0)
     changed = torch_checkpoint.load_optimizer(opt, state)
     # Before: load_state_dict alone left momentum 0.9 and weight decay 1e-3 in the groups.
     assert opt.param_groups[0]["momentum"] == 0.0 and opt.param_groups[0]["weight_decay"] == 0.0
     assert changed == {"momentum": (0.9, 0.0), "weight_decay": (1e-3, 0.0)}
-    # The state (momentum buffers) is the checkpoint's; the rate is left to the schedule.
-    saved = state["state"]
-    for i, p in enumerate(model.parameters()):
-        assert torch.equal(opt.state[p]["momentum_buffer"], saved[i]["momentum_buffer"])
+    # At momentum 0 the checkpoint's momentum buffers are dropped (a later resume at a momentum
+    # again starts them afresh, as Keras starts a new slot); the rate is left to the schedule.
+    assert all("momentum_buffer" in s for s in state["state"].values())
+    assert not any("momentum_buffer" in opt.state[p] for p in model.parameters())
     assert opt.param_groups[0]["lr"] == 0.1
-    # At momentum 0 a step leaves the buffers alone.
-    before = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
     model(torch.ones(4, 3)).sum().backward()
     opt.step()
-    assert all(torch.equal(b, opt.state[p]["momentum_buffer"])
-               for b, p in zip(before, model.parameters()))
+    assert not any("momentum_buffer" in opt.state[p] and opt.state[p]["momentum_buffer"]
+                   is not None for p in model.parameters())
 
 
 def test_torch_resume_from_momentum_zero_starts_the_buffers():
