@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import contextlib
 import multiprocessing as mp
 import statistics
 import time
@@ -162,23 +163,8 @@ def measure_side_by_side(spec: str, batch_size: int, threads: int, copies: int,
     ``threads`` threads: one rank's compute when ``copies`` ranks share this host."""
     if copies <= 1:
         return measure_torch(spec, batch_size, threads, warmup, repeats)
-    ctx = mp.get_context("spawn")
-    started, stop = ctx.Semaphore(0), ctx.Event()
-    procs = [ctx.Process(target=_load, args=(spec, batch_size, threads, started, stop),
-                         daemon=True) for _ in range(copies - 1)]
-    for p in procs:
-        p.start()
-    try:
-        for _ in procs:
-            if not started.acquire(timeout=300):
-                raise RuntimeError("a background copy of the model did not start in 300 s")
+    with background_copies(_load, (spec, batch_size, threads), copies - 1):
         profile = measure_torch(spec, batch_size, threads, warmup, repeats)
-    finally:
-        stop.set()
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
     return ComputeProfile(profile.batch_size, profile.forward_s, profile.backward_s,
                           profile.optimizer_s, profile.gradients,
                           profile.source + f", {copies} copies side by side", profile.jitter_s)
@@ -255,3 +241,31 @@ def all_ready_at_end(profile: ComputeProfile) -> ComputeProfile:
                           profile.optimizer_s,
                           tuple(Gradient(g.name, g.nbytes, profile.backward_s)
                                 for g in profile.gradients), profile.source, profile.jitter_s)
+
+
+@contextlib.contextmanager
+def background_copies(target, args: tuple, count: int):
+    """Run ``count`` spawned processes of ``target(*args, started, stop)`` for the block: it
+    starts once each has released ``started``; ``stop`` is set at its end (joined, else
+    terminated after 60 s).
+
+    Raises:
+        RuntimeError: a copy did not start in 300 s.
+    """
+    ctx = mp.get_context("spawn")
+    started, stop = ctx.Semaphore(0), ctx.Event()
+    procs = [ctx.Process(target=target, args=(*args, started, stop), daemon=True)
+             for _ in range(count)]
+    for p in procs:
+        p.start()
+    try:
+        for _ in procs:
+            if not started.acquire(timeout=300):
+                raise RuntimeError("a background copy of the model did not start in 300 s")
+        yield
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.terminate()

@@ -20,7 +20,7 @@ import os
 import statistics
 import time
 
-from hvdtrain.scaling.measure import BUILTIN, load_builder, robust_std
+from hvdtrain.scaling.measure import BUILTIN, background_copies, load_builder, robust_std
 from hvdtrain.scaling.model import ComputeProfile, Gradient
 
 
@@ -135,26 +135,13 @@ def measure_keras_side_by_side(spec: str, batch_size: int, threads: int, copies:
         RuntimeError: a copy failed or did not start in 300 s.
     """
     ctx = mp.get_context("spawn")
-    started, stop, queue = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_load, args=(spec, batch_size, threads, started, stop),
-                         daemon=True) for _ in range(copies - 1)]
-    for p in procs:
-        p.start()
-    try:
-        for _ in procs:
-            if not started.acquire(timeout=300):
-                raise RuntimeError("a background copy of the model did not start in 300 s")
+    queue = ctx.Queue()
+    with background_copies(_load, (spec, batch_size, threads), copies - 1):
         child = ctx.Process(target=_measure_child,
                             args=(spec, batch_size, threads, warmup, repeats, queue), daemon=True)
         child.start()
         profile = queue.get(timeout=600)
         child.join(timeout=60)
-    finally:
-        stop.set()
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.terminate()
     if isinstance(profile, str):
         raise RuntimeError(f"measuring {spec} failed: {profile}")
     suffix = f", {copies} copies side by side" if copies > 1 else ""
