@@ -46,7 +46,8 @@ def run_local(n: int, payload: bytes | None = None, command: list[str] | None = 
             for slot, argv in zip(plan, argvs):
                 e = ranks.rank_env(slot, LOOPBACK, server.port, "lo", ENGINE, env)
                 procs.append(ranks.RankProcess(argv, e, sink if slot.rank == 0 else None))
-            failed = _wait_all(procs)
+            failed = _wait_all(procs, [Path(tmp) / f"result{slot.rank}.pkl" for slot in plan]
+                               if payload is not None else None)
             if failed:
                 rank, code = failed
                 raise SparkJobError(
@@ -65,11 +66,13 @@ def run_local(n: int, payload: bytes | None = None, command: list[str] | None = 
     return rows
 
 
-def _wait_all(procs: list) -> tuple[int, int] | None:
-    """Wait for every rank; at the first non-zero exit kill the others and return
-    ``(rank, status)``."""
+def _wait_all(procs: list, results: list[Path] | None = None) -> tuple[int, int] | None:
+    """Wait for every rank; after the first non-zero exit, give the others a second to fail
+    too (they usually do, because it did), kill the rest, and return ``(rank, status)`` of the
+    rank that caused it (:func:`hvdtrain.spark.ranks.cause_first`)."""
     import time
     pending = dict(enumerate(procs))
+    failures, deadline = {}, None
     while pending:
         for rank, proc in list(pending.items()):
             code = proc.proc.poll()
@@ -78,10 +81,17 @@ def _wait_all(procs: list) -> tuple[int, int] | None:
             proc.wait()
             del pending[rank]
             if code != 0:
-                for other in pending.values():
-                    other.kill()
-                for other in pending.values():
-                    other.wait()
-                return rank, code
-        time.sleep(0.1)
-    return None
+                stamp = ranks.raised_at(results[rank]) if results else None
+                failures[rank] = (code, stamp or time.time())
+                deadline = deadline or time.monotonic() + 1.0
+        if deadline is not None and time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    if not failures:
+        return None
+    for other in pending.values():
+        other.kill()
+    for other in pending.values():
+        other.wait()
+    first = ranks.cause_first([(r, at, procs[r].tail_text()) for r, (_, at) in failures.items()])
+    return first[0][0], failures[first[0][0]][0]

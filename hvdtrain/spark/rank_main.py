@@ -3,7 +3,10 @@
     python -m hvdtrain.spark.rank_main PAYLOAD RESULT
 
 PAYLOAD holds ``cloudpickle.dumps((fn, args, kwargs))``; the return value is written to RESULT
-with cloudpickle. An exception prints its traceback and exits 1 (the driver quotes the output).
+with cloudpickle. An exception prints its traceback and exits 1 (the driver quotes the output);
+the wall-clock time it was raised goes to ``RESULT.raised`` first, before Horovod's shutdown
+ends the other ranks, so the driver can name the rank that failed first
+(:func:`hvdtrain.spark.ranks.cause_first`).
 """
 from __future__ import annotations
 
@@ -15,7 +18,13 @@ def main(argv: list[str]) -> int:
     payload, result = argv
     with open(payload, "rb") as f:
         fn, args, kwargs = cloudpickle.load(f)
-    value = fn(*args, **kwargs)
+    try:
+        value = fn(*args, **kwargs)
+    except BaseException:
+        import time
+        with open(result + ".raised", "w") as f:
+            f.write(repr(time.time()))
+        raise
     with open(result + ".tmp", "wb") as f:
         cloudpickle.dump(value, f)
     import os

@@ -176,6 +176,43 @@ class RankProcess:
         return self.tail.decode("utf-8", "replace")
 
 
+# Text of a rank that failed because another one did first: Horovod's shutdown notice and Gloo's
+# lost-peer errors (horovod/common/operations.cc, gloo/transport/tcp/pair.cc).
+COLLATERAL_MARKERS = ("Horovod has been shut down", "HorovodInternalError",
+                      "Connection closed by peer", "Connection reset by peer")
+
+
+def raised_at(result: Path) -> float | None:
+    """When a function rank's exception was raised (seconds since the epoch), from the
+    ``RESULT.raised`` file :mod:`hvdtrain.spark.rank_main` writes; None if it did not raise."""
+    try:
+        return float(Path(str(result) + ".raised").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def cause_first(failures: list[tuple[int, float, str]]) -> list[tuple[int, float, str]]:
+    """Failed ranks ordered so that the one that caused the failure comes first.
+
+    A rank that failed because a peer did (its last output holds one of
+    :data:`COLLATERAL_MARKERS`) comes after those that did not; within each group, the earliest
+    failure time first. Horovod's shutdown reaches the other ranks within milliseconds, so the
+    times alone can invert, which is why the output decides first.
+
+    Args:
+        failures: ``(rank, failed_at, tail)`` per failed rank: ``failed_at`` in seconds since the
+            epoch (when the exception was raised, else when the process ended), ``tail`` its last
+            output.
+
+    Returns:
+        The same tuples, cause first.
+    """
+    def key(f):
+        rank, failed_at, tail = f
+        return (any(m in tail for m in COLLATERAL_MARKERS), failed_at, rank)
+    return sorted(failures, key=key)
+
+
 def describe_exit(code: int) -> str:
     """``exited with 3`` or ``was killed by SIGKILL``."""
     if code < 0:

@@ -4,7 +4,7 @@ connection that closes before that marks the task as lost (its executor or worke
 the driver reports at once and turns into the end of the job.
 
 One JSON object per line: ``{"t": "hello", "token", "partition", "rank", "host", "pid"}``, then
-``{"t": "out", "s": text}`` (rank 0), then ``{"t": "exit", "code", "tail"}``. The server binds to
+``{"t": "out", "s": text}`` (rank 0), then ``{"t": "exit", "code", "tail", "failed_at"}``. The server binds to
 the driver's address only and drops connections without the run's random token.
 """
 from __future__ import annotations
@@ -31,6 +31,7 @@ class TaskState:
     tail: str = ""
     lost_at: float | None = None  # time.monotonic() when the connection dropped before "exit"
     ended_at: float | None = None  # time.monotonic() when the rank's exit was reported
+    failed_at: float | None = None  # time.time() on its host: raised, else process end
     started_at: float = field(default_factory=time.monotonic)
 
     def where(self) -> str:
@@ -90,6 +91,7 @@ class DriverService:
                 elif msg["t"] == "exit":
                     state.code, state.tail = msg["code"], msg.get("tail", "")
                     state.ended_at = time.monotonic()
+                    state.failed_at = msg.get("failed_at") or time.time()
         if state is not None and state.code is None and not self._closed:
             state.lost_at = time.monotonic()
             with self._lock:
@@ -100,10 +102,13 @@ class DriverService:
                 self._on_lost(state)
 
     def failed(self) -> list[TaskState]:
-        """Tasks whose rank exited with a non-zero status, the first to end first (the others
-        often fail only because it did)."""
-        return sorted((t for t in self.tasks.values() if t.code not in (None, 0)),
-                      key=lambda t: (t.ended_at, t.rank))
+        """Tasks whose rank exited with a non-zero status, the one that caused the failure
+        first (the others often fail only because it did;
+        :func:`hvdtrain.spark.ranks.cause_first`)."""
+        from hvdtrain.spark.ranks import cause_first
+        by_rank = {t.rank: t for t in self.tasks.values() if t.code not in (None, 0)}
+        order = cause_first([(t.rank, t.failed_at, t.tail) for t in by_rank.values()])
+        return [by_rank[rank] for rank, _, _ in order]
 
     def close(self) -> None:
         self._closed = True
@@ -134,8 +139,10 @@ class TaskLink:
         if text:
             self._send({"t": "out", "s": text})
 
-    def exit(self, code: int, tail: str) -> None:
-        self._send({"t": "exit", "code": code, "tail": tail})
+    def exit(self, code: int, tail: str, failed_at: float | None = None) -> None:
+        """Report the rank's exit status, last output and ``failed_at`` (seconds since the
+        epoch: when its exception was raised, else when its process ended)."""
+        self._send({"t": "exit", "code": code, "tail": tail, "failed_at": failed_at})
 
     def close(self) -> None:
         self._sock.close()

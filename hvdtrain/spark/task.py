@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from hvdtrain.spark import ranks
@@ -93,7 +94,8 @@ def _run_rank(job: dict, slot, hosts: list[str], partition: int, port: int):
             code = rank.wait()
         finally:
             rank.kill()
-        link.exit(code, rank.tail_text())
+        failed_at = ranks.raised_at(result_file) or time.time()
+        link.exit(code, rank.tail_text(), failed_at)
         link.close()
         if code != 0:
             raise RankFailed(f"rank {slot.rank} (Spark task {partition} on {host}) "

@@ -34,3 +34,49 @@ def test_adapters_import_no_engine():
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_rank_that_raised_is_named_before_the_ranks_horovod_shut_down():
+    shut = "HorovodInternalError: Horovod has been shut down. This was caused by an exception"
+    # rank 0's collateral failure reported (and even stamped) first: rank 1 still comes first
+    order = ranks.cause_first([(0, 100.0, shut), (1, 100.2, "ValueError: boom"),
+                               (2, 99.0, "Connection closed by peer")])
+    assert [r for r, _, _ in order] == [1, 2, 0]
+    # without a collateral marker, the earliest failure first
+    assert [r for r, _, _ in ranks.cause_first([(0, 5.0, "a"), (1, 4.0, "b")])] == [1, 0]
+
+
+FAILING_LOCAL = """
+import json, sys
+import hvdtrain.spark as hs
+
+def failing_job():
+    import horovod.torch as hvd, torch
+    hvd.init()
+    if hvd.rank() == 1:
+        raise ValueError("boom on rank 1")
+    hvd.allreduce_(torch.zeros(1))  # rank 0 fails only because rank 1 is gone
+    return "unreachable"
+
+try:
+    hs.run(failing_job, -2)
+except hs.SparkJobError as exc:
+    json.dump({"message": str(exc), "codes": exc.exit_codes}, open(sys.argv[1], "w"))
+"""
+
+
+def test_driver_local_run_names_the_rank_that_raised(tmp_path):
+    """np < 0 (ranks on the driver, real Horovod over Gloo): the error names rank 1, whose
+    function raised, not rank 0, whose all-reduce failed because of it, three times over."""
+    import json
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING_LOCAL)
+    for attempt in range(3):
+        out = tmp_path / f"err{attempt}.json"
+        proc = subprocess.run([sys.executable, str(script), str(out)], capture_output=True,
+                              text=True, timeout=180)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        err = json.loads(out.read_text())
+        assert err["message"].startswith("rank 1 (a process on the driver) exited with 1")
+        assert "ValueError: boom on rank 1" in err["message"]
+        assert err["codes"] == {"1": 1}
