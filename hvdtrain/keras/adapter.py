@@ -356,7 +356,7 @@ def distribute(model: keras.Model, optimizer: keras.optimizers.Optimizer, *,
     # check happens before it (LossScaleHooks), which also feeds the guard.
     hooks = GradientAllreduce(owner, compression, float(gradient_predivide_factor),
                        guard if owner is optimizer else None, B.hvd.rank(), B.hvd.size(),
-                       elastic=not broadcast)
+                       elastic=not broadcast, overlap=k == 1 and owner is optimizer)
     if owner is not optimizer:
         optimizer.hvdtrain_loss_scale = LossScaleHooks(optimizer, guard, B.hvd.rank(),
                                                         B.hvd.size())

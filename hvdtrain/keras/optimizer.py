@@ -147,10 +147,17 @@ class GradientAllreduce:
     over ranks), so clipping then sees the global gradient, as in single-process training. With a
     :class:`NonFiniteGuard`, the weight decay and the update run only when the all-reduced
     gradients are finite.
+
+    With ``overlap`` on Keras's torch backend (one backward pass per step, no loss-scale
+    optimizer) the gradients' all-reduces start during the backward pass instead
+    (:class:`~hvdtrain.keras.overlap.BackwardAllreduce`); ``clip_gradients`` waits for them and
+    reduces only what is left (the guard's and the preemption flags, gradients no hook saw) in
+    the grouped all-reduce.
     """
 
     def __init__(self, optimizer, compression: str, predivide: float,
-                 guard: NonFiniteGuard | None, rank: int, size: int, elastic: bool = False):
+                 guard: NonFiniteGuard | None, rank: int, size: int, elastic: bool = False,
+                 overlap: bool = False):
         self.opt, self.compression, self.predivide = optimizer, compression, predivide
         self.guard, self.rank, self.size = guard, rank, size
         # One rank, for good (not elastic, where workers may join): the average over ranks is
@@ -168,21 +175,40 @@ class GradientAllreduce:
         optimizer._clip_gradients = self.clip_gradients
         optimizer._apply_weight_decay = self.apply_weight_decay
         optimizer._backend_update_step = self.backend_update_step
+        self.overlap = None
+        if overlap and not self.alone and B.NAME == "torch":
+            from hvdtrain.keras.overlap import BackwardAllreduce
+            self.overlap = BackwardAllreduce(compression, predivide, guard is not None)
+            self._scale_loss = cls.scale_loss
+            optimizer.scale_loss = self.scale_loss
 
     def clip_gradients(self, grads):
         if self.alone and self.guard is None and self.preempt is None:
             return self._clip(self.opt, grads)  # nothing to reduce or check: Keras's own step
         grads = [None if g is None else B.native(g) for g in grads]
-        dense = [g for g in grads if g is not None]
+        pending, early_bad = range(len(grads)), None
+        if self.overlap is not None:  # torch backend: all-reduces started during backward
+            if self.overlap.armed:
+                done, pending = self.overlap.collect(grads)
+                early_bad = self.overlap.local_bad
+                grads = [g if d is None else d for g, d in zip(grads, done)]
+            else:
+                self.overlap.register(self.opt._trainable_variables)  # from the next step on
+        index = [i for i in pending if grads[i] is not None]
+        dense = [grads[i] for i in index]
+        every = [g for g in grads if g is not None]
+        dtype = every[0].dtype if every else "float32"
         extra = []
         if self.guard is not None:
-            local_ok = ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in dense]))
-            bad = ops.cast(ops.logical_not(local_ok), dense[0].dtype)
+            checks = [ops.all(ops.isfinite(g)) for g in dense]
+            if early_bad is not None:
+                checks.append(ops.logical_not(early_bad))
+            bad = ops.cast(ops.logical_not(ops.all(ops.stack(checks))), dtype)
             flags = (ops.reshape(bad, (1,)) if self._own is None else
-                     ops.cast(self._own, dense[0].dtype) * bad)
+                     ops.cast(self._own, dtype) * bad)
             extra = [B.native(flags)]
         if self.preempt is not None:
-            extra.append(B.native(ops.cast(self.preempt.requested, dense[0].dtype)))
+            extra.append(B.native(ops.cast(self.preempt.requested, dtype)))
         reduced = dense + extra if self.alone else B.grouped_average(
             dense + extra, self.compression, self.predivide, name="hvdtrain.gradients")
         if self.preempt is not None:
@@ -192,14 +218,22 @@ class GradientAllreduce:
         if self.guard is not None:
             self._flags = ops.cast(reduced[-1], "float32") * float(self.size)
             reduced = reduced[:-1]
-            self._finite = ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in reduced]))
+        for i, g in zip(index, reduced):
+            grads[i] = g
+        if self.guard is not None:
+            self._finite = ops.all(ops.stack([ops.all(ops.isfinite(g))
+                                              for g in grads if g is not None]))
             # Read once here on torch eager, where ops.cond is a Python `if` (which takes the
             # bool as it is): the decay's and the update's cond would each read the tensor.
             if torch_eager():
                 self._finite = bool(self._finite)
-        it = iter(reduced)
-        grads = [None if g is None else next(it) for g in grads]
         return self._clip(self.opt, grads)
+
+    def scale_loss(self, loss):
+        """Keras's ``scale_loss``, called by the torch trainer right before ``backward``: arm
+        the backward-pass all-reduces (:class:`~hvdtrain.keras.overlap.BackwardAllreduce`)."""
+        self.overlap.arm()
+        return self._scale_loss(self.opt, loss)
 
     def apply_weight_decay(self, variables):
         if self._finite is None:

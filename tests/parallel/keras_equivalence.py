@@ -57,10 +57,12 @@ def parallel(args) -> None:
               callbacks=[counter])
     counter.micro_batches *= args.k  # Keras 3: optimizer.iterations counts optimizer steps
     weights = allgather_object(flat(model))
+    overlap = optimizer.hvdtrain_allreduce.overlap  # torch backend, k = 1: during backward
     if info.rank == 0:
         spread = max(float(np.abs(w - weights[0]).max()) for w in weights)
         np.savez(args.out, weights=weights[0], steps=counter.micro_batches // args.k,
                  rank_spread=spread, size=info.size, jit_compile=bool(model.jit_compile),
+                 overlapped_steps=overlap.steps if overlap is not None else -1,
                  xla_split=bool(getattr(model, "hvdtrain_xla_split", False)))
 
 
