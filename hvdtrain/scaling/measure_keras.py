@@ -1,13 +1,16 @@
 """Keras 3 compute profiles for :mod:`hvdtrain.scaling.model` (the backend ``KERAS_BACKEND``
 names).
 
-Keras gives no per-gradient hook: ``model.fit`` computes all gradients and applies them at
-once, and ``hvdtrain.keras`` all-reduces them together in the optimizer's ``apply``. So a Keras
-profile times whole optimizer steps (``model.fit`` over one in-memory batch repeated, a callback
-taking ``time.perf_counter()`` at each step's end, median of the steps after ``warmup``), splits
-them 1 : 2 between forward and backward (:func:`hvdtrain.scaling.measure.profile_from_step_time`)
-and makes every gradient ready at the end of the backward pass: nothing overlaps, which is what
-happens.
+A Keras profile times whole optimizer steps (``model.fit`` over one in-memory batch repeated, a
+callback taking ``time.perf_counter()`` at each step's end, median of the steps after
+``warmup``). On the TensorFlow backend ``model.fit`` computes all gradients and applies them at
+once, and ``hvdtrain.keras`` all-reduces them together in the optimizer's ``apply``: the step is
+split 1 : 2 between forward and backward and every gradient is ready at the end of the backward
+pass (nothing overlaps, which is what happens). On the PyTorch backend ``hvdtrain.keras``
+all-reduces each gradient as autograd finishes it (:mod:`hvdtrain.keras.overlap`), so the
+profile is measured as the PyTorch one is: the backward pass starts at the optimizer's
+``scale_loss`` (Keras's torch trainer calls it right before ``backward``), each gradient is
+ready when its post-accumulate-grad hook fires, and the optimizer step is the rest.
 
 A user model is ``module:function``; ``function(batch_size)`` (or ``function()``) returns
 ``(model, loss, (inputs, targets))`` with a Keras model and a Keras loss (object or name).
@@ -81,19 +84,27 @@ def measure_keras(spec: str, batch_size: int, threads: int | None = None, warmup
     """Time one rank's optimizer step of ``spec`` with ``model.fit`` on this machine.
 
     Returns:
-        a :class:`ComputeProfile` whose gradients are all ready at the end of the backward pass.
+        a :class:`ComputeProfile`: on TensorFlow every gradient ready at the end of the
+        backward pass; on PyTorch each when autograd finished it (the module docstring).
     """
     keras, model, data = _build(spec, batch_size, threads)
     times: list[float] = []
+    marks = _torch_marks(model) if keras.backend.backend() == "torch" else None
 
     class Clock(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             times.append(time.perf_counter())
+            if marks is not None:
+                marks.append({})
 
     model.fit(data, epochs=1, steps_per_epoch=warmup + repeats + 1, verbose=0,
               callbacks=[Clock()])
     steps = [b - a for a, b in zip(times[warmup:], times[warmup + 1:])]
     step = statistics.median(steps)
+    if marks is not None:  # marks[i + 1]: the step that ended at times[i + 1]
+        return _torch_profile(model, batch_size, times, marks, warmup, steps,
+                              f"measured here: Keras torch {spec}, batch {batch_size}, "
+                              f"{threads or 'default'} threads, fit steps with hooks")
     forward, backward = step / 3, step - step / 3
     grads = tuple(Gradient(v.path, math.prod(v.shape) * 4, backward)
                   for v in reversed(model.trainable_variables))
@@ -101,6 +112,49 @@ def measure_keras(spec: str, batch_size: int, threads: int | None = None, warmup
                           f"measured here: Keras {keras.backend.backend()} {spec}, batch "
                           f"{batch_size}, {threads or 'default'} threads, whole fit steps "
                           "(split 1:2, gradients ready at the end)", robust_std(steps))
+
+
+def _torch_marks(model) -> list[dict]:
+    """Hooks that note, per step, when the backward pass starts (the optimizer's
+    ``scale_loss``, key None) and when each trainable variable's gradient is final."""
+    marks: list[dict] = [{}]
+    opt = model.optimizer
+    scale = opt.scale_loss
+
+    def scale_loss(loss):
+        marks[-1][None] = time.perf_counter()
+        return scale(loss)
+
+    opt.scale_loss = scale_loss
+    for v in model.trainable_variables:
+        def hook(_p, path=v.path):
+            marks[-1][path] = time.perf_counter()
+        v.value.register_post_accumulate_grad_hook(hook)
+    return marks
+
+
+def _torch_profile(model, batch_size: int, times: list[float], marks: list[dict], warmup: int,
+                   steps: list[float], source: str) -> ComputeProfile:
+    """The profile of Keras torch steps from :func:`_torch_marks`: medians over the steps after
+    ``warmup`` of forward (step start to backward start), backward (to the last gradient),
+    the optimizer (the rest) and each gradient's ready time."""
+    med = statistics.median
+    fwd, bwd, opt, ready = [], [], [], {v.path: [] for v in model.trainable_variables}
+    for i in range(warmup, len(times) - 1):
+        m, start, end = marks[i + 1], times[i], times[i + 1]
+        t0 = m.get(None)
+        if t0 is None:
+            continue
+        last = max((t for k, t in m.items() if k is not None), default=t0)
+        fwd.append(t0 - start)
+        bwd.append(last - t0)
+        opt.append(end - last)
+        for path in ready:
+            ready[path].append(m.get(path, last) - t0)
+    grads = sorted((Gradient(v.path, math.prod(v.shape) * 4, med(ready[v.path]))
+                    for v in model.trainable_variables), key=lambda g: g.ready_s)
+    return ComputeProfile(batch_size, med(fwd), med(bwd), med(opt), tuple(grads), source,
+                          robust_std(steps))
 
 
 def keras_gradient_sizes(spec: str) -> list[tuple[str, int]]:
