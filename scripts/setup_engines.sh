@@ -10,7 +10,7 @@
 #    requirements/constraints.txt. pyspark 4.x comes as a ~450 MB source archive: the first
 #    install takes a minute or two (pip caches the wheel it builds).
 #
-# Settings: HVDTRAIN_ENGINES="spark" (default), "spark ray", "ray" or "none".
+# Settings: HVDTRAIN_ENGINES="spark ray" (default), "spark", "ray" or "none".
 # Where a part cannot be installed (no registry, no apt) it warns and goes on: the engine tests
 # then skip, saying why; nothing else in hvdtrain needs the engines.
 set -euo pipefail
@@ -18,7 +18,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${1:-$ROOT/.venv/bin/python}
 CONSTRAINTS=$ROOT/requirements/constraints.txt
-ENGINES=${HVDTRAIN_ENGINES:-spark}
+ENGINES=${HVDTRAIN_ENGINES:-spark ray}
 log() { printf '[setup] %s\n' "$*"; }
 warn() { printf '[setup] warning: %s\n' "$*" >&2; }
 
