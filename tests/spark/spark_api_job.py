@@ -33,6 +33,32 @@ def failing_job():
     return "unreachable"
 
 
+def keras_job():
+    """Every rank: the Keras adapter on the backend KERAS_BACKEND names (set by run's ``env``),
+    a few optimizer steps; rank 0's weights and how far the other ranks' are from them."""
+    import numpy as np
+    import keras
+
+    import hvdtrain.keras as hk
+    from hvdtrain.keras.collectives import allgather_object
+    info = hk.init(seed=3, threads=1)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(3)])
+    model, opt = hk.distribute(model, keras.optimizers.SGD(0.05, momentum=0.9))
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True), jit_compile=False)
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((64, 8)).astype("float32"), rng.integers(0, 3, 64)
+    model.fit(hk.shard_dataset(x, y, batch_size=8, shuffle=False, info=info), epochs=2,
+              steps_per_epoch=4, verbose=0)
+    flat = np.concatenate([w.reshape(-1) for w in model.get_weights()])
+    every = allgather_object(flat)
+    return {"backend": keras.backend.backend(), "size": info.size,
+            "steps": hk.micro_batch_count(opt),
+            "spread": max(float(np.abs(w - every[0]).max()) for w in every),
+            "moved": float(np.abs(flat).sum())}
+
+
 def timed(fn):
     start = time.monotonic()
     try:
@@ -62,6 +88,8 @@ def main(master: str, out_path: str) -> None:
                                                      return_all=True))
         results["runner"] = timed(lambda: HorovodRunner(np=2).run(allreduce_job, scale=2.0))
         results["driver_local"] = timed(lambda: hs.run(allreduce_job, -2))
+        results["keras_torch"] = timed(lambda: hs.run(keras_job, 2,
+                                                      env={"KERAS_BACKEND": "torch"}))
         results["failing"] = timed(lambda: hs.run(failing_job, 2))
         results["too_many"] = timed(lambda: hs.run(allreduce_job, 3, start_timeout=3))
     finally:

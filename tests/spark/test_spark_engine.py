@@ -86,6 +86,11 @@ def test_python_api_run_runner_driver_local_and_errors(spark_cluster, tmp_path):
     assert r["runner"]["value"]["sum"] == 6.0  # HorovodRunner(np=2).run(main, scale=2.0)
     local = r["driver_local"]["value"]  # np < 0: processes on the driver, no Spark
     assert local["sum"] == 3.0 and local["engine"] == "spark-driver"
+    # Keras 3 on its PyTorch backend through Spark (the TensorFlow backend: the Keras main job
+    # below): 2 epochs of 4 steps, every rank's weights the same.
+    kt = r["keras_torch"]["value"]
+    assert kt["backend"] == "torch" and kt["size"] == 2 and kt["steps"] == 8
+    assert kt["spread"] == 0.0 and kt["moved"] > 0
     failing = r["failing"]
     assert failing["error"] == "SparkJobError"
     assert failing["message"].startswith("rank 1 (Spark task 1 on 127.0.0.1) first exited with 1")
