@@ -79,10 +79,10 @@ class LocalRayCluster:
         # too short for pytest's tmp_path), removed by stop().
         self.temp_dir = tempfile.mkdtemp(prefix="hvdtrain-ray-")
 
-    def _ports(self) -> list[str]:
+    def _ports(self, index: int) -> list[str]:
         # Worker ports below the kernel's ephemeral range (32768-60999), so that no free_port()
         # lands in them: 26400-26549 for the head, then 200 higher per node.
-        base = WORKER_PORTS + 200 * len(self.procs)
+        base = WORKER_PORTS + 200 * index
         return ["--node-manager-port", str(free_port()),
                 "--object-manager-port", str(free_port()),
                 "--metrics-export-port", str(free_port()),
@@ -91,16 +91,19 @@ class LocalRayCluster:
                 "--runtime-env-agent-port", str(free_port()),
                 "--min-worker-port", str(base), "--max-worker-port", str(base + 150)]
 
-    def _spawn(self, name: str, *argv: str) -> subprocess.Popen:
+    def _spawn(self, name: str, *argv: str, index: int | None = None) -> subprocess.Popen:
+        """Start ``ray start ARGV --block`` as node ``index`` (default: the next one)."""
+        index = len(self.procs) if index is None else index
         log = open(self.root / f"{name}.log", "ab")
         env = ray_env()
         cmd = [sys.executable, "-c", RAY_START, "start", *argv, "--node-ip-address", LOOPBACK,
                "--num-cpus", "1", "--num-gpus", "0",
                "--object-store-memory", str(150 * 1024 * 1024), "--disable-usage-stats",
-               "--block", *self._ports()]
+               "--block", *self._ports(index)]
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-        self.procs.append(proc)
+        if index == len(self.procs):
+            self.procs.append(proc)
         return proc
 
     def start(self, timeout: float = 120.0) -> "LocalRayCluster":
@@ -114,6 +117,27 @@ class LocalRayCluster:
             self._spawn(f"worker{i}", "--address", self.address)
         self.wait_nodes(1 + self.n_workers, timeout)
         return self
+
+    def kill_node(self, i: int) -> None:
+        """SIGKILL worker node ``i`` (1 = the first worker node; 0 would be the head): its
+        ``ray start`` process group and every process below it (raylet, Ray workers, ranks)."""
+        proc = self.procs[i]
+        try:
+            below = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            below = []
+        _signal_group(proc, signal.SIGKILL)
+        proc.wait(10)
+        for child in below:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+    def restart_node(self, i: int, timeout: float = 120.0) -> None:
+        """Start worker node ``i`` again (after :meth:`kill_node`) and wait until it is alive."""
+        self.procs[i] = self._spawn(f"worker{i - 1}", "--address", self.address, index=i)
+        self.wait_nodes(1 + self.n_workers, timeout)
 
     def wait_nodes(self, n: int, timeout: float = 120.0) -> None:
         """Wait until ``n`` nodes are alive (asked in a short-lived driver)."""
