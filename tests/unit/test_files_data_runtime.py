@@ -141,3 +141,23 @@ def test_choose_device(device, gpus, local_rank, local_size, expected):
 def test_choose_device_errors_say_what_to_change(device, gpus, local_size, match):
     with pytest.raises(ValueError, match=match):
         runtime.choose_device(device, gpus, 0, local_size)
+
+
+def test_digits_split_is_cached_and_a_cached_load_skips_scikit_learn(tmp_path):
+    """The first load makes the split with scikit-learn and keeps it under HVDTRAIN_CACHE; a
+    later process reads the same arrays without importing scikit-learn (about a second a rank)."""
+    import subprocess
+    import sys
+    code = ("import sys, hashlib; from hvdtrain.datasets.digits import load_digits; "
+            "s = load_digits(); h = hashlib.sha256(); "
+            "[h.update(a.tobytes()) for a in (s.x_train, s.y_train, s.x_test, s.y_test)]; "
+            "print('sklearn' in sys.modules, s.x_train.dtype, s.y_train.dtype, h.hexdigest())")
+    env = {**__import__("os").environ, "HVDTRAIN_CACHE": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                           timeout=120) for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:]
+    first, second = (r.stdout.split() for r in runs)
+    assert first[0] == "True" and second[0] == "False"  # scikit-learn imported the first time only
+    assert first[1:] == second[1:]  # the same arrays, dtypes and bytes
+    assert second[1:3] == ["float32", "int64"]
+    assert len(list((tmp_path / "datasets" / "digits").glob("*.npz"))) == 1
