@@ -28,6 +28,23 @@ EPOCH_FIELDS = ("train_loss", "train_accuracy", "test_loss", "test_accuracy", "l
                 "samples_per_sec")
 
 
+def _summary_writer_class():
+    """tensorboardX's ``SummaryWriter``, imported without importing PyTorch into a process that
+    has not (a Keras/TensorFlow rank): tensorboardX imports torch, when installed, only to
+    accept torch tensors (``tensorboardX/writer.py``, ``x2num.py``), which costs such a rank
+    about 1.5 s and 200 MB; hvdtrain passes Python floats."""
+    import sys
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError while tensorboardX loads
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class Board:
     """Rank 0's TensorBoard writer; on other ranks, or when disabled, every call does nothing.
 
@@ -41,7 +58,7 @@ class Board:
         self.log_dir = Path(output_dir) / TENSORBOARD_DIR
         self._writer = None
         if enabled and is_root:
-            from tensorboardX import SummaryWriter
+            SummaryWriter = _summary_writer_class()
             # The pid in the name: tensorboardX names files by the second and host, and two
             # processes of one host (an elastic rank 0 and its successor) must not share a file.
             self._writer = SummaryWriter(logdir=str(self.log_dir), flush_secs=10,
