@@ -15,7 +15,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 setup:
 	bash scripts/setup.sh
-	bash scripts/setup_engines.sh $(PY)  # Spark (+ a JRE) for hvdtrain.spark; HVDTRAIN_ENGINES
+	bash scripts/setup_engines.sh $(PY)  # Spark (+ a JRE) and Ray for hvdtrain.spark, hvdtrain.ray; HVDTRAIN_ENGINES
 
 # The main job (README): MNIST with its recipe (hvdtrain/datasets/recipes.py), 2 processes,
 # PyTorch and Keras on both backends, >= 98.9 %.

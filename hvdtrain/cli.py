@@ -342,6 +342,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_train_command(command: list[str]) -> str | None:
+    """For ``hvdtrain train ...``: its options' error (as ``hvdtrain train`` would print it),
+    checked before an engine (``python -m hvdtrain.spark``, ``python -m hvdtrain.ray``) starts
+    anything; None when fine or when it is another command."""
+    if len(command) < 2 or os.path.basename(command[0]) != "hvdtrain" or command[1] != "train":
+        return None
+    from hvdtrain.config import ConfigError, TrainConfig
+    args = build_parser().parse_args(command[1:])  # exits 2 with argparse's message
+    fields = {k: v for k, v in vars(args).items() if k not in ("command", "func")}
+    try:
+        TrainConfig.from_options(fields).validate()
+    except (ConfigError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``hvdtrain`` console script."""
     args = build_parser().parse_args(argv)

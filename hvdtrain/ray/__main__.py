@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         if not sep or not key:
             parser.error(f"--env {item!r}: expected KEY=VALUE")
         env[key] = value
-    from hvdtrain.spark.__main__ import check_train_command
+    from hvdtrain.cli import check_train_command
     problem = check_train_command(command)
     if problem:
         print(f"hvdtrain: error: {problem}", file=sys.stderr)

@@ -3,7 +3,7 @@
 
 When Ray has started (or restarted) the workers, :class:`HorovodBackend` asks each one for its
 node, lays the Horovod ranks out contiguously per node as ``horovodrun`` does
-(:func:`hvdtrain.spark.ranks.slot_plan`), starts Horovod's Gloo rendezvous in the Ray Train
+(:func:`hvdtrain.launch.ranks.slot_plan`), starts Horovod's Gloo rendezvous in the Ray Train
 controller's process, and sets ``horovodrun``'s Gloo ``HOROVOD_*`` variables in every worker, so
 ``hvd.init()`` in the training function joins the ring. Each (re)start of the group gets a new
 rendezvous; ``HVDTRAIN_RAY_ATTEMPT`` tells the workers which start it is (0 first).
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ray.train.backend import Backend, BackendConfig
 
-from hvdtrain.spark import ranks
+from hvdtrain.launch import ranks
 
 ENGINE = "ray"  # HVDTRAIN_ENGINE of the ranks, shown in the run header
 ATTEMPT_VAR = "HVDTRAIN_RAY_ATTEMPT"  # 0 at the group's first start, then 1, 2, ... per restart

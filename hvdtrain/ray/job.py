@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from hvdtrain.ray.backend import ATTEMPT_VAR, HorovodConfig
-from hvdtrain.spark import ranks
+from hvdtrain.launch import ranks
 
 
 class NotEnoughResourcesError(RuntimeError):

@@ -18,7 +18,6 @@ first failing rank's); 1 when a task was lost; 2 on bad input or too few task sl
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 
@@ -54,22 +53,6 @@ def _pairs(items: list[str], what: str, parser) -> dict[str, str]:
     return out
 
 
-def check_train_command(command: list[str]) -> str | None:
-    """For ``hvdtrain train ...``: its options' error (as ``hvdtrain train`` would print it),
-    checked here before Spark starts; None when fine or when it is another command."""
-    if len(command) < 2 or os.path.basename(command[0]) != "hvdtrain" or command[1] != "train":
-        return None
-    from hvdtrain.cli import build_parser as train_parser
-    from hvdtrain.config import ConfigError, TrainConfig
-    args = train_parser().parse_args(command[1:])  # exits 2 with argparse's message
-    fields = {k: v for k, v in vars(args).items() if k not in ("command", "func")}
-    try:
-        TrainConfig.from_options(fields).validate()
-    except (ConfigError, ValueError) as exc:
-        return str(exc)
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -79,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.np == 0:
         parser.error("-np must not be 0")
     conf, env = _pairs(args.conf, "--conf", parser), _pairs(args.env, "--env", parser)
+    from hvdtrain.cli import check_train_command
     problem = check_train_command(command)
     if problem:
         print(f"hvdtrain: error: {problem}", file=sys.stderr)

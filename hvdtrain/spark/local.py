@@ -7,7 +7,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hvdtrain.spark import ranks
+from hvdtrain.launch import ranks
 
 ENGINE = "spark-driver"
 LOOPBACK = "127.0.0.1"
@@ -69,7 +69,7 @@ def run_local(n: int, payload: bytes | None = None, command: list[str] | None = 
 def _wait_all(procs: list, results: list[Path] | None = None) -> tuple[int, int] | None:
     """Wait for every rank; after the first non-zero exit, give the others a second to fail
     too (they usually do, because it did), kill the rest, and return ``(rank, status)`` of the
-    rank that caused it (:func:`hvdtrain.spark.ranks.cause_first`)."""
+    rank that caused it (:func:`hvdtrain.launch.ranks.cause_first`)."""
     import time
     pending = dict(enumerate(procs))
     failures, deadline = {}, None

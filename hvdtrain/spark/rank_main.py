@@ -6,7 +6,7 @@ PAYLOAD holds ``cloudpickle.dumps((fn, args, kwargs))``; the return value is wri
 with cloudpickle. An exception prints its traceback and exits 1 (the driver quotes the output);
 the wall-clock time it was raised goes to ``RESULT.raised`` first, before Horovod's shutdown
 ends the other ranks, so the driver can name the rank that failed first
-(:func:`hvdtrain.spark.ranks.cause_first`).
+(:func:`hvdtrain.launch.ranks.cause_first`).
 """
 from __future__ import annotations
 

@@ -104,8 +104,8 @@ class DriverService:
     def failed(self) -> list[TaskState]:
         """Tasks whose rank exited with a non-zero status, the one that caused the failure
         first (the others often fail only because it did;
-        :func:`hvdtrain.spark.ranks.cause_first`)."""
-        from hvdtrain.spark.ranks import cause_first
+        :func:`hvdtrain.launch.ranks.cause_first`)."""
+        from hvdtrain.launch.ranks import cause_first
         by_rank = {t.rank: t for t in self.tasks.values() if t.code not in (None, 0)}
         order = cause_first([(t.rank, t.failed_at, t.tail) for t in by_rank.values()])
         return [by_rank[rank] for rank, _, _ in order]

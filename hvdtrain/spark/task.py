@@ -2,7 +2,7 @@
 rank, as Spark's ``TorchDistributor`` starts torchrun):
 
 1. learn every task's host from ``BarrierTaskContext.getTaskInfos()`` and lay the ranks out as
-   ``horovodrun`` would (:func:`hvdtrain.spark.ranks.slot_plan`; task 0 is rank 0);
+   ``horovodrun`` would (:func:`hvdtrain.launch.ranks.slot_plan`; task 0 is rank 0);
 2. task 0 starts Horovod's Gloo rendezvous on its own address and shares the port with
    ``allGather``;
 3. each task runs its rank as a child process with ``horovodrun``'s ``HOROVOD_*`` variables,
@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hvdtrain.spark import ranks
+from hvdtrain.launch import ranks
 
 ENGINE = "spark"
 

@@ -3,8 +3,8 @@ and that the framework adapters never import an engine."""
 import subprocess
 import sys
 
-from hvdtrain.spark import ranks
-from hvdtrain.spark.__main__ import check_train_command
+from hvdtrain.launch import ranks
+from hvdtrain.cli import check_train_command
 
 
 def test_ranks_are_contiguous_per_host_and_task_0_is_rank_0():

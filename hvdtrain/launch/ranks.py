@@ -1,7 +1,8 @@
 """One Horovod rank as a child process, the way ``horovodrun``'s Gloo launcher starts it: the
 rank plan, the Gloo rendezvous server, the ``HOROVOD_*`` variables, and a child that dies with
-its parent. Used on Spark executors (:mod:`hvdtrain.spark.task`) and on the driver
-(``num_proc < 0``, :mod:`hvdtrain.spark.local`). Imports no engine and no framework.
+its parent. Used by the engines: on Spark executors (:mod:`hvdtrain.spark.task`), on the Spark
+driver (``num_proc < 0``, :mod:`hvdtrain.spark.local`) and in Ray Train's workers
+(:mod:`hvdtrain.ray.backend`). Imports no engine and no framework.
 """
 from __future__ import annotations
 
