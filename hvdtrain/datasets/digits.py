@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from importlib import metadata
 
 import numpy as np
@@ -33,8 +34,8 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> Split:
             with np.load(cached, allow_pickle=False) as f:
                 return Split(f["x_train"], f["y_train"], f["x_test"], f["y_test"],
                              num_classes=10, name="digits")
-        except (OSError, ValueError, KeyError):
-            pass  # unreadable: made again below
+        except Exception:  # noqa: BLE001 - unreadable (truncated zip, ...): made again below
+            pass
     try:
         from sklearn.datasets import load_digits as _load
         from sklearn.model_selection import train_test_split
@@ -50,8 +51,9 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> Split:
                                               stratify=y)
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".{os.getpid()}.tmp.npz")
-        np.savez(tmp, x_train=x_tr, y_train=y_tr, x_test=x_te, y_test=y_te)
+        fd, tmp = tempfile.mkstemp(dir=cached.parent, suffix=".tmp.npz")
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, x_train=x_tr, y_train=y_tr, x_test=x_te, y_test=y_te)
         os.replace(tmp, cached)
     except OSError:
         pass  # a read-only cache: load from scikit-learn every time

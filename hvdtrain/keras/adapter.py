@@ -239,6 +239,17 @@ def broadcast_state(model: keras.Model, optimizer: keras.optimizers.Optimizer,
     B.broadcast_variables(model_state + list(optimizer.variables), root_rank, "hvdtrain.state")
 
 
+def _can_overlap(model, owner, optimizer, k: int) -> bool:
+    """Whether the gradients' all-reduces may start during backward
+    (:mod:`hvdtrain.keras.overlap`): one backward pass per step, no loss-scale optimizer, and
+    nothing in Keras's ``apply`` that reads the gradients before ``_clip_gradients`` (a
+    ``loss_scale_factor`` divides them, a variable with ``overwrite_with_gradient`` takes its
+    gradient as its value): those would read a gradient while its all-reduce writes it."""
+    return (k == 1 and owner is optimizer and owner.loss_scale_factor is None
+            and not any(getattr(v, "overwrite_with_gradient", False)
+                        for v in model.trainable_variables))
+
+
 def distribute(model: keras.Model, optimizer: keras.optimizers.Optimizer, *,
                backward_passes_per_step: int = 1, lr_scaling: str | None = None,
                compression: str = "none", op: str = "average", root_rank: int = 0,
@@ -356,7 +367,7 @@ def distribute(model: keras.Model, optimizer: keras.optimizers.Optimizer, *,
     # check happens before it (LossScaleHooks), which also feeds the guard.
     hooks = GradientAllreduce(owner, compression, float(gradient_predivide_factor),
                        guard if owner is optimizer else None, B.hvd.rank(), B.hvd.size(),
-                       elastic=not broadcast, overlap=k == 1 and owner is optimizer)
+                       elastic=not broadcast, overlap=_can_overlap(model, owner, optimizer, k))
     if owner is not optimizer:
         optimizer.hvdtrain_loss_scale = LossScaleHooks(optimizer, guard, B.hvd.rank(),
                                                         B.hvd.size())
@@ -364,6 +375,8 @@ def distribute(model: keras.Model, optimizer: keras.optimizers.Optimizer, *,
         broadcast_state(model, optimizer, root_rank)
     elif not optimizer.built:
         optimizer.build(model.trainable_variables)
+    if hooks.overlap is not None:  # every rank's first step arms them too (elastic newcomers)
+        hooks.overlap.register(owner._trainable_variables)
     optimizer.hvdtrain_lr_scale = factor
     optimizer.backward_passes_per_step = k
     optimizer.hvdtrain_allreduce = hooks

@@ -193,7 +193,7 @@ class GradientAllreduce:
                 early_bad = self.overlap.local_bad
                 grads = [g if d is None else d for g, d in zip(grads, done)]
             else:
-                self.overlap.register(self.opt._trainable_variables)  # from the next step on
+                self.overlap.register(self.opt._trainable_variables)  # (distribute did)
         index = [i for i in pending if grads[i] is not None]
         dense = [grads[i] for i in index]
         every = [g for g in grads if g is not None]

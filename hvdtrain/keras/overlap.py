@@ -9,10 +9,16 @@ Keras's torch trainer (``keras/src/backend/torch/trainer.py``, ``train_step``) c
 ``optimizer.apply(grads)`` right after it; :class:`BackwardAllreduce` arms the hooks in the
 first and collects the results in the second (``GradientAllreduce.clip_gradients``). A step
 that does not go through ``scale_loss`` (a custom ``train_step``, ``torch.autograd.grad``) is
-not armed and takes the grouped all-reduce after backward, as before; so does the first step
-(the hooks are registered there, once the optimizer knows its variables). Used only with one
-backward pass per step (``backward_passes_per_step=1``), without a ``LossScaleOptimizer``, in
-eager steps (not under ``torch.compile``).
+not armed and takes the grouped all-reduce after backward, as before. The hooks are put on the
+variables by :func:`hvdtrain.keras.distribute`, so every rank's first step (an elastic
+newcomer's too) is armed alike.
+
+Used only with one backward pass per step (``backward_passes_per_step=1``), without a
+``LossScaleOptimizer`` or ``loss_scale_factor`` and without variables that take their gradient
+as their value (``overwrite_with_gradient``): Keras's ``apply`` reads those gradients before
+``_clip_gradients``, while their all-reduce would still write them. Eager steps only (not
+under ``torch.compile``). Between ``backward()`` and ``optimizer.apply`` a custom step must
+not change the gradients in place (e.g. ``clip_grad_norm_``): they are being all-reduced.
 """
 from __future__ import annotations
 
@@ -37,14 +43,14 @@ class BackwardAllreduce:
             all-reduce is still in flight.
     """
 
+    _made = 0  # instances made in this process, the same sequence on every rank
+
     def __init__(self, compression: str, predivide: float, check_finite: bool):
         self.compression = B.COMPRESSIONS[compression]
-        self.op, self.scaling = B.hvd.Average, {}
-        if predivide != 1.0:
-            self.op = B.hvd.Sum
-            self.scaling = {"prescale_factor": 1.0 / predivide,
-                            "postscale_factor": predivide / B.hvd.size()}
+        self.predivide = predivide
         self.check_finite = check_finite
+        BackwardAllreduce._made += 1
+        self.prefix = f"hvdtrain.grad.{BackwardAllreduce._made}"  # two optimizers: two names
         self.armed = False
         self.hooked: list = []  # the Parameters with a hook
         self._inflight: dict[int, tuple] = {}  # grad data_ptr -> (handle, grad, sent, ctx)
@@ -58,7 +64,7 @@ class BackwardAllreduce:
         for i, var in enumerate(variables):
             param = getattr(var, "value", None)
             if isinstance(param, torch.nn.Parameter) and param.requires_grad:
-                param.register_post_accumulate_grad_hook(self._hook(f"hvdtrain.grad.{i}"))
+                param.register_post_accumulate_grad_hook(self._hook(f"{self.prefix}.{i}"))
                 self.hooked.append(param)
 
     def arm(self) -> None:
@@ -82,7 +88,12 @@ class BackwardAllreduce:
                 bad = torch.logical_not(torch.isfinite(grad).all())
                 self.local_bad = bad if self.local_bad is None else self.local_bad | bad
             sent, ctx = self.compression.compress(grad)
-            handle = B.hvd.allreduce_async_(sent, name=name, op=self.op, **self.scaling)
+            op, scaling = B.hvd.Average, {}
+            if self.predivide != 1.0:  # the size read now: elastic jobs change it
+                op = B.hvd.Sum
+                scaling = {"prescale_factor": 1.0 / self.predivide,
+                           "postscale_factor": self.predivide / B.hvd.size()}
+            handle = B.hvd.allreduce_async_(sent, name=name, op=op, **scaling)
             self._inflight[key] = (handle, grad, sent, ctx)
         return hook
 

@@ -74,7 +74,13 @@ class HorovodBackend(Backend):
 
     Ray creates it in the Train controller's process and calls ``on_start`` and
     ``on_shutdown`` around each group; the rendezvous lives from one to the other.
+
+    With GPU workers every worker sees all the GPUs its node gives the group
+    (``share_cuda_visible_devices``): a rank picks its own by local rank, as under
+    ``horovodrun``, and NCCL's ranks of one node see each other's devices.
     """
+
+    share_cuda_visible_devices = True
 
     def on_start(self, worker_group, backend_config: HorovodConfig) -> None:
         self._stop_rendezvous()

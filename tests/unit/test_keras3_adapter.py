@@ -286,3 +286,20 @@ def test_train_sets_keras_torch_device_from_device(tmp_path):
     m = json.loads((tmp_path / "metrics.json").read_text())
     assert m["device"] == "cpu" and m["versions"]["keras_backend"] == "torch"
     assert m["final_test_accuracy"] > 0.5
+
+
+def test_overlap_only_where_keras_reads_the_gradients_after_clipping_starts():
+    """The backward-pass all-reduces (hvdtrain.keras.overlap, torch backend) are allowed only
+    with k = 1, a plain optimizer (no LossScaleOptimizer), no loss_scale_factor (Keras divides
+    the gradients before _clip_gradients) and no overwrite_with_gradient variable."""
+    from hvdtrain.keras.adapter import _can_overlap
+    model = build_model()
+    sgd = keras.optimizers.SGD(0.1)
+    assert _can_overlap(model, sgd, sgd, 1)
+    assert not _can_overlap(model, sgd, sgd, 2)
+    lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    assert not _can_overlap(model, lso.inner_optimizer, lso, 1)
+    scaled = keras.optimizers.SGD(0.1, loss_scale_factor=128.0)
+    assert not _can_overlap(model, scaled, scaled, 1)
+    model.trainable_variables[0].overwrite_with_gradient = True
+    assert not _can_overlap(model, sgd, sgd, 1)
