@@ -101,7 +101,8 @@ def test_python_api_run_runner_driver_local_and_errors(spark_cluster, tmp_path):
     assert "has 2 (2 executor(s)" in too_many["message"]
 
 
-def test_mnist_torch_through_spark_equals_horovodrun_step_by_step(spark_cluster, tmp_path):
+def test_mnist_torch_through_spark_equals_horovodrun_step_by_step(spark_cluster, tmp_path,
+                                                                horovodrun_mnist_torch):
     """The main job (--dataset mnist and its recipe) at 2 ranks through Spark: >= 98.9 %, and
     every per-step training loss of rank 0 equal to horovodrun -np 2's with the same seed.
 
@@ -110,12 +111,10 @@ def test_mnist_torch_through_spark_equals_horovodrun_step_by_step(spark_cluster,
     Gloo under Spark: a + b either way), so the losses agree to the bit here (seen: all 3,752
     steps identical). The tolerance, 1e-6 relative, leaves room only for summation order in a
     future Horovod, not for any difference in the data, schedule or seeds."""
-    spark_out, ref_out = tmp_path / "spark", tmp_path / "horovodrun"
-    args = ["--framework", "torch", "--dataset", "mnist", "--log-every", "1"]
-    proc = run(spark_train(spark_cluster.url, spark_out, *args))
+    spark_out, ref_out = tmp_path / "spark", horovodrun_mnist_torch.out
+    proc = run(spark_train(spark_cluster.url, spark_out, *horovodrun_mnist_torch.args))
     assert "epoch 4: train loss" in proc.stdout  # rank 0's log, streamed to the driver
     assert "engine: spark" in proc.stdout
-    run(horovodrun_train(ref_out, *args))
     m, ref = metrics(spark_out), metrics(ref_out)
     print(f"MNIST torch: Spark {m['final_test_accuracy']:.4f} "
           f"({m['samples_per_sec']:.0f} samples/s), horovodrun {ref['final_test_accuracy']:.4f}"
