@@ -342,6 +342,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def engine_command(parser: argparse.ArgumentParser, rest: list[str]) -> list[str]:
+    """The command given after ``--`` to an engine's command line (``python -m hvdtrain.spark``,
+    ``python -m hvdtrain.ray``). Exits 2 through ``parser`` when there is none."""
+    command = rest[1:] if rest[:1] == ["--"] else rest
+    if not command:
+        parser.error("no command: give it after --, e.g. -- hvdtrain train --dataset mnist")
+    return command
+
+
+def key_value_pairs(items: list[str], what: str, parser: argparse.ArgumentParser) -> dict:
+    """``["K=V", ...]`` (a repeatable option such as ``--env``) as a dict. Exits 2 through
+    ``parser``, naming ``what``, for an item without ``=`` or without a key."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"{what} {item!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
+
+
 def check_train_command(command: list[str]) -> str | None:
     """For ``hvdtrain train ...``: its options' error (as ``hvdtrain train`` would print it),
     checked before an engine (``python -m hvdtrain.spark``, ``python -m hvdtrain.ray``) starts

@@ -44,20 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        parser.error("no command: give it after --, e.g. -- hvdtrain train --dataset mnist")
+    from hvdtrain.cli import check_train_command, engine_command, key_value_pairs
+    command = engine_command(parser, args.command)
     if args.np < 1:
         parser.error("-np must be >= 1")
     if args.max_failures < 0:
         parser.error("--max-failures must be >= 0")
-    env = {}
-    for item in args.env:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            parser.error(f"--env {item!r}: expected KEY=VALUE")
-        env[key] = value
-    from hvdtrain.cli import check_train_command
+    env = key_value_pairs(args.env, "--env", parser)
     problem = check_train_command(command)
     if problem:
         print(f"hvdtrain: error: {problem}", file=sys.stderr)

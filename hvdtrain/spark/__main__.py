@@ -43,26 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _pairs(items: list[str], what: str, parser) -> dict[str, str]:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            parser.error(f"{what} {item!r}: expected KEY=VALUE")
-        out[key] = value
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        parser.error("no command: give it after --, e.g. -- hvdtrain train --dataset mnist")
+    from hvdtrain.cli import check_train_command, engine_command, key_value_pairs
+    command = engine_command(parser, args.command)
     if args.np == 0:
         parser.error("-np must not be 0")
-    conf, env = _pairs(args.conf, "--conf", parser), _pairs(args.env, "--env", parser)
-    from hvdtrain.cli import check_train_command
+    conf = key_value_pairs(args.conf, "--conf", parser)
+    env = key_value_pairs(args.env, "--env", parser)
     problem = check_train_command(command)
     if problem:
         print(f"hvdtrain: error: {problem}", file=sys.stderr)
