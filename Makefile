@@ -30,8 +30,9 @@ demo: setup
 	hvdtrain report runs/mnist-torch runs/mnist-keras runs/mnist-keras-torch
 
 # tests/unit/test_docs.py builds the documentation (as `make docs` does), so test needs its tools.
+# scripts/test.sh runs tests/unit, slurm, container and gpu beside tests/parallel, spark and ray.
 test: setup $(DOCS_DEPS)
-	$(PY) -m pytest tests
+	bash scripts/test.sh $(PY)
 
 unit: setup $(DOCS_DEPS)
 	$(PY) -m pytest tests/unit

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# `make test`: every test, in two pytest sessions that run at the same time.
+#
+#   bash scripts/test.sh PYTHON [pytest options...]
+#
+# A launch of a real 2-rank job leaves part of the machine idle (the launcher, the ranks'
+# imports and their shutdown run one process at a time), about a fifth of the serial suite's time
+# on a 2-core machine. So the suites with the most waiting (tests/unit: short processes;
+# tests/slurm: the scheduler; tests/container: image builds; tests/gpu: skipped without a GPU)
+# run beside tests/parallel, and the engine suites (tests/spark, tests/ray: fixed ports, and
+# checks that a refusal comes within seconds) run after tests/parallel in the same session.
+# Nothing runs at once that shares a port, a cluster or a test host: tests/parallel alone starts
+# sshd test hosts, and Slurm picks free ports of its own.
+#
+# The side session writes its output to a file, printed after both end; the exit status is
+# non-zero when either session failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${1:?usage: scripts/test.sh PYTHON [pytest options...]}
+shift
+
+MAIN=(tests/parallel tests/spark tests/ray)
+SIDE=(tests/unit tests/slurm tests/container tests/gpu)
+for dir in tests/*/; do  # a new suite must be placed in one of the two, or it would never run
+    dir=${dir%/}
+    [[ $(basename "$dir") == [_.]* ]] && continue  # __pycache__
+    if [[ " ${MAIN[*]} ${SIDE[*]} " != *" $dir "* ]]; then
+        echo "scripts/test.sh: $dir is in neither MAIN nor SIDE; add it to one" >&2
+        exit 2
+    fi
+done
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/hvdtrain-test.XXXXXX")
+side_log=$work/side.log
+# Its own temporary folder and no shared cache: two pytest sessions never write the same file.
+"$PY" -m pytest "${SIDE[@]}" --basetemp "$work/tmp" -p no:cacheprovider "$@" \
+    >"$side_log" 2>&1 &
+side=$!
+# Ctrl-C or a kill of make ends the side session too.
+trap 'kill "$side" 2>/dev/null; wait "$side" 2>/dev/null; exit 130' INT TERM
+
+echo "[test] ${SIDE[*]}: running beside this session (pid $side), its output follows at the end"
+"$PY" -m pytest "${MAIN[@]}" "$@"
+main_rc=$?
+wait "$side"
+side_rc=$?
+trap - INT TERM
+
+echo
+echo "======== ${SIDE[*]} (run beside the session above) ========"
+cat "$side_log"
+echo
+echo "[test] ${MAIN[*]}: exit $main_rc; ${SIDE[*]}: exit $side_rc"
+rm -rf "$work"
+if ((main_rc != 0 || side_rc != 0)); then
+    exit 1
+fi
