@@ -61,10 +61,10 @@ def native(value):
     return out
 
 
-def all_finite(value):
-    """Whether every number of a backend tensor is finite: a 0-d bool tensor. On torch one read
-    of the tensor (:func:`hvdtrain.torch.collectives.finite`; ``isfinite(x).all()`` costs 13 x as
-    much there); on TensorFlow ``is_finite`` and ``reduce_all``, which its kernels fuse."""
+def finite(value):
+    """Whether every number of a backend tensor is finite: a 0-d bool tensor (the mirror of
+    :func:`hvdtrain.torch.collectives.finite`, which it is on the torch backend: one read of
+    the tensor); on TensorFlow ``is_finite`` and ``reduce_all``, which its kernels fuse."""
     if NAME == "torch":
         return _torch_finite(value)
     return tf.reduce_all(tf.math.is_finite(value))

@@ -200,7 +200,7 @@ class GradientAllreduce:
         dtype = every[0].dtype if every else "float32"
         extra = []
         if self.guard is not None:
-            checks = [B.all_finite(B.native(g)) for g in dense]
+            checks = [B.finite(g) for g in dense]
             if early_bad is not None:
                 checks.append(ops.logical_not(early_bad))
             bad = ops.cast(ops.logical_not(ops.all(ops.stack(checks))), dtype)
@@ -221,7 +221,7 @@ class GradientAllreduce:
         for i, g in zip(index, reduced):
             grads[i] = g
         if self.guard is not None:
-            self._finite = ops.all(ops.stack([B.all_finite(B.native(g))
+            self._finite = ops.all(ops.stack([B.finite(g)
                                               for g in grads if g is not None]))
             # Read once here on torch eager, where ops.cond is a Python `if` (which takes the
             # bool as it is): the decay's and the update's cond would each read the tensor.

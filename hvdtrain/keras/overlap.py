@@ -85,7 +85,7 @@ class BackwardAllreduce:
                     "was in flight (backward ran twice between optimizer.scale_loss and "
                     "optimizer.apply); compute one loss and call backward once per step")
             if self.check_finite:
-                bad = torch.logical_not(B.all_finite(grad))
+                bad = torch.logical_not(B.finite(grad))
                 self.local_bad = bad if self.local_bad is None else self.local_bad | bad
             sent, ctx = self.compression.compress(grad)
             op, scaling = B.hvd.Average, {}
