@@ -46,6 +46,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     what.add_argument("--throughput", type=float,
                       help="one device's samples/s (e.g. a published single-GPU figure), "
                       "instead of measuring")
+    what.add_argument("--optimizer-ms", type=float,
+                      help="with --step-time-ms or --throughput: the work done once per "
+                      "optimizer step rather than per micro-batch (the optimizer's update, "
+                      "accumulators), ms; it weighs more as k falls (default: 0, inside the "
+                      "given time)")
     what.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                       help="where to measure the compute (default: cpu)")
     what.add_argument("--repeats", type=int, default=10, help="timed steps (default: 10)")
@@ -114,6 +119,9 @@ def profile_source(args, cluster):
     if args.params is not None and not given:
         raise ValueError("--params needs --step-time-ms or --throughput (there is no model "
                          "to time)")
+    if args.optimizer_ms is not None and (not given or args.optimizer_ms < 0):
+        raise ValueError("--optimizer-ms needs --step-time-ms or --throughput and a value >= 0 "
+                         "(a measured profile times the optimizer step itself)")
     if given:
         step = (args.step_time_ms / 1e3 if args.step_time_ms is not None
                 else args.batch_size / args.throughput)
@@ -133,6 +141,10 @@ def profile_source(args, cluster):
                else "gradients ready evenly over the backward pass"))
         if keras:
             prof = measure.all_ready_at_end(prof)
+        if args.optimizer_ms:
+            from dataclasses import replace
+            prof = replace(prof, optimizer_s=args.optimizer_ms / 1e3,
+                           source=prof.source + f", {args.optimizer_ms:g} ms per optimizer step")
         return lambda n: prof
     if args.framework == "keras":
         from hvdtrain.scaling.measure_keras import measure_keras_side_by_side

@@ -2,7 +2,7 @@
 names).
 
 A Keras profile times whole optimizer steps (``model.fit`` over one in-memory batch repeated, a
-callback taking ``time.perf_counter()`` at each step's end, median of the steps after
+callback taking ``time.perf_counter()`` at each step's end, the mean of the steps after
 ``warmup``). On the TensorFlow backend ``model.fit`` computes all gradients and applies them at
 once, and ``hvdtrain.keras`` all-reduces them together in the optimizer's ``apply``: the step is
 split 1 : 2 between forward and backward and every gradient is ready at the end of the backward
@@ -23,7 +23,8 @@ import os
 import statistics
 import time
 
-from hvdtrain.scaling.measure import BUILTIN, background_copies, load_builder, robust_std
+from hvdtrain.scaling.measure import (BUILTIN, background_copies, load_builder, mean_time,
+                                      robust_std)
 from hvdtrain.scaling.model import ComputeProfile, Gradient
 
 
@@ -100,7 +101,7 @@ def measure_keras(spec: str, batch_size: int, threads: int | None = None, warmup
     model.fit(data, epochs=1, steps_per_epoch=warmup + repeats + 1, verbose=0,
               callbacks=[Clock()])
     steps = [b - a for a, b in zip(times[warmup:], times[warmup + 1:])]
-    step = statistics.median(steps)
+    step = mean_time(steps)
     if marks is not None:  # marks[i + 1]: the step that ended at times[i + 1]
         return _torch_profile(model, batch_size, times, marks, warmup, steps,
                               f"measured here: Keras torch {spec}, batch {batch_size}, "
@@ -135,9 +136,10 @@ def _torch_marks(model) -> list[dict]:
 
 def _torch_profile(model, batch_size: int, times: list[float], marks: list[dict], warmup: int,
                    steps: list[float], source: str) -> ComputeProfile:
-    """The profile of Keras torch steps from :func:`_torch_marks`: medians over the steps after
-    ``warmup`` of forward (step start to backward start), backward (to the last gradient),
-    the optimizer (the rest) and each gradient's ready time."""
+    """The profile of Keras torch steps from :func:`_torch_marks`, over the steps after
+    ``warmup``: the means (:func:`~hvdtrain.scaling.measure.mean_time`) of forward (step start
+    to backward start), backward (to the last gradient) and the optimizer (the rest), and each
+    gradient's median ready time."""
     med = statistics.median
     fwd, bwd, opt, ready = [], [], [], {v.path: [] for v in model.trainable_variables}
     for i in range(warmup, len(times) - 1):
@@ -153,7 +155,8 @@ def _torch_profile(model, batch_size: int, times: list[float], marks: list[dict]
             ready[path].append(m.get(path, last) - t0)
     grads = sorted((Gradient(v.path, math.prod(v.shape) * 4, med(ready[v.path]))
                     for v in model.trainable_variables), key=lambda g: g.ready_s)
-    return ComputeProfile(batch_size, med(fwd), med(bwd), med(opt), tuple(grads), source,
+    return ComputeProfile(batch_size, mean_time(fwd), mean_time(bwd), mean_time(opt), tuple(grads),
+                          source,
                           robust_std(steps))
 
 

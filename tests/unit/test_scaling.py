@@ -244,6 +244,19 @@ def test_plan_command_from_a_published_throughput(tmp_path):
     assert effs[0] == pytest.approx(1.0) and effs[-1] < 1.0
 
 
+def test_plan_command_optimizer_ms_once_per_step(tmp_path):
+    # k = 4 micro-batches of 100 ms, then one 50 ms optimizer step: 450 ms at N = 1.
+    proc, result = run_plan(tmp_path, "--params", "1e6", "--step-time-ms", "100",
+                            "--optimizer-ms", "50", "--backward-passes-per-step", "4",
+                            "--batch-size", "8", "--cluster", "nvlink-ib200", "--max-ranks", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert result["rows"][0]["step_ms"] == pytest.approx(450.0)
+    assert result["rows"][0]["samples_per_s"] == pytest.approx(4 * 8 / 0.45)
+    proc, _ = run_plan(tmp_path, "--model", "tinymodel:build", "--optimizer-ms", "5",
+                       "--cluster", "pcie-25gbe")
+    assert proc.returncode == 2 and "--optimizer-ms needs --step-time-ms" in proc.stderr
+
+
 def test_plan_command_keras_gradients_all_ready_at_the_end(tmp_path):
     # Keras applies every gradient at once: nothing can overlap the backward pass.
     proc, result = run_plan(tmp_path, "--framework", "keras", "--model", "cnn", "--step-time-ms",
@@ -254,3 +267,57 @@ def test_plan_command_keras_gradients_all_ready_at_the_end(tmp_path):
     rows = result["rows"]
     assert [r["overlap"] for r in rows[1:]] == pytest.approx([0.0, 0.0], abs=1e-9)
     assert all(r["exposed_ms"] == pytest.approx(r["comm_ms"]) for r in rows[1:])
+
+
+class _StallOnce:
+    """A loss function that stalls its ``stall_at``-th call by ``seconds`` (one slow step)."""
+
+    def __init__(self, stall_at: int, seconds: float):
+        self.calls, self.stall_at, self.seconds = 0, stall_at, seconds
+
+    def __call__(self, out, target):
+        import time
+
+        import torch
+        self.calls += 1
+        if self.calls == self.stall_at:
+            time.sleep(self.seconds)
+        return torch.nn.functional.cross_entropy(out, target)
+
+
+def test_measured_phases_are_means_so_a_stalled_step_counts(monkeypatch):
+    # samples/s over a run is batch / mean step time: one step stalled by 0.2 s out of 5 timed
+    # must add 0.04 s to the forward time (its median would hide it).
+    import torch
+    loss = _StallOnce(stall_at=4, seconds=0.2)  # warmup 1, then the 3rd timed step
+    model = torch.nn.Linear(8, 2)
+    batch = (torch.randn(4, 8), torch.randint(0, 2, (4,)))
+    monkeypatch.setattr(measure, "load_builder", lambda spec: lambda b: (model, loss, batch))
+    prof = measure.measure_torch("stub:build", 4, threads=1, warmup=1, repeats=5)
+    assert 0.04 <= prof.forward_s < 0.06
+    assert prof.backward_s < 0.02
+    assert measure.mean_time([1.0, 1.0, 4.0]) == 2.0
+
+
+def test_published_bert_per_step_cost_reproduces_its_fit_point():
+    # benchmarks/plan_published.py fits one per-step cost at 32 GPUs; with it the model must
+    # give the published 32-GPU efficiency, and without it more (the cost only slows steps).
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]
+                           / "benchmarks"))
+    import plan_published as pub
+    rows = pub.check_dle_bert()
+    c = clusters.PRESETS["nvlink-ib200x8"]
+    for precision, col, compression in (("TF32", 1, "none"), ("AMP", 2, "fp16")):
+        fit = next(r for r in rows if r["model"] == f"bert-large {precision}"
+                   and r["ranks"] == pub.BERT_FIT_AT)
+        prof = pub.bert_profile(pub.DLE_BERT[1][col], fit["fitted_step_cost_ms"] / 1e3)
+
+        def at(n):
+            return predict_step(prof, n, c, HorovodSettings(
+                fusion_threshold=64 * MiB, cycle_time_s=5e-3, compression=compression,
+                backward_passes_per_step=pub.DLE_BERT[n][0]))
+        assert efficiency(at(32), at(1)) == pytest.approx(fit["published"], abs=2e-3)
+        assert fit["predicted"] > fit["published"]
+        held_out = [r for r in rows if r["model"] == fit["model"] and r["ranks"] > 32]
+        assert held_out and all(r["predicted_with_step_cost"] < r["predicted"]
+                                for r in held_out)
