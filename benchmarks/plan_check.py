@@ -113,10 +113,15 @@ def check_here(repeats: int, path: str = "torch", live: int = 0,
     rows = []
     for model, batch in GLOBAL_BATCH.items():
         pred1 = predict_step(alone(model, batch), 1, c, CPU_SETTINGS)
-        pred2 = predict_step(side(model, batch // 2), 2, c, CPU_SETTINGS)
+        prof2 = side(model, batch // 2)
+        pred2 = predict_step(prof2, 2, c, CPU_SETTINGS)
+        # Before 2026-11-27 the model sent a CPU rank's gradients in one cycle at the end of
+        # the backward pass; kept side by side to show what the cycle-per-gradient term changed.
+        one_cycle = predict_step(measure.all_ready_at_end(prof2), 2, c, CPU_SETTINGS)
         print(f"  predict {path}/{model:<6} np=1 {pred1.samples_per_s:9.1f}  np=2 "
-              f"{pred2.samples_per_s:9.1f} samples/s (np=2: comm {pred2.comm_s * 1e3:.2f} ms, "
-              f"compute {pred2.compute_s * 1e3:.2f} ms)", flush=True)
+              f"{pred2.samples_per_s:9.1f} samples/s (np=2: comm {pred2.comm_s * 1e3:.2f} ms in "
+              f"{len(pred2.buckets)} all-reduces, compute {pred2.compute_s * 1e3:.2f} ms; "
+              f"one cycle at the end: {one_cycle.samples_per_s:.1f})", flush=True)
         now = live_baseline(path, model, live) if live else {}
         stats = measured[f"{path}/{model}"]["stats"]
         for n, pred, key in ((1, pred1, "hvdtrain np=1"), (2, pred2, "hvdtrain np=2")):
@@ -124,11 +129,16 @@ def check_here(repeats: int, path: str = "torch", live: int = 0,
                    "measured_median": stats[key]["median"], "measured_min": stats[key]["min"],
                    "measured_max": stats[key]["max"],
                    "error": pred.samples_per_s / stats[key]["median"] - 1,
-                   "comm_ms": pred.comm_s * 1e3, "step_ms": pred.step_s * 1e3}
+                   "comm_ms": pred.comm_s * 1e3, "step_ms": pred.step_s * 1e3,
+                   "allreduces": len(pred.buckets)}
+            if n == 2:
+                row["predicted_one_cycle"] = one_cycle.samples_per_s
             if now:
                 mid = statistics.median(now[n])
                 row.update(measured_now=mid, measured_now_runs=now[n],
                            error_now=pred.samples_per_s / mid - 1)
+                if n == 2:
+                    row["error_now_one_cycle"] = one_cycle.samples_per_s / mid - 1
             rows.append(row)
     return rows
 
@@ -150,53 +160,66 @@ def check_here_keras(repeats: int, path: str, extra: list[str]) -> list[dict]:
     raise RuntimeError(f"{path}: no result\n{proc.stderr[-2000:]}")
 
 
+def plot_published(ax, rows: list[dict], title: str) -> None:
+    """Predicted efficiency (lines) and the published figure (markers) against N, one colour per
+    model and cluster; BERT's predictions with the fitted per-step cost dotted (+)."""
+    import matplotlib.pyplot as plt
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["cluster"]), []).append(r)
+    colours = plt.get_cmap("tab20").colors
+    for i, ((model, cluster), rs) in enumerate(groups.items()):
+        colour = colours[i % len(colours)]
+        label = f"{model}, {cluster.split(' (')[0]}"
+        if len(rs) == 1 and "curve" in rs[0]:
+            xs = sorted(rs[0]["curve"], key=int)
+            ax.plot([int(x) for x in xs], [rs[0]["curve"][x] for x in xs], "-", color=colour,
+                    label=label)
+        else:
+            ax.plot([r["ranks"] for r in rs], [r["predicted"] for r in rs], "--", marker="x",
+                    color=colour, label=label)
+        ax.plot([r["ranks"] for r in rs], [r["published"] for r in rs], "o", color=colour)
+        fitted = [r for r in rs if r.get("predicted_with_step_cost") is not None]
+        if fitted:
+            ax.plot([r["ranks"] for r in fitted], [r["predicted_with_step_cost"] for r in fitted],
+                    ":", marker="+", color=colour)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("scaling efficiency")
+    ax.set_ylim(0.6, 1.05)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=6)
+
+
 def plot(here, published, out):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    groups: dict[tuple, list[dict]] = {}
-    for r in published:
-        if "predicted" in r:
-            groups.setdefault((r["source"], r["model"], r["cluster"]), []).append(r)
-    for (source, model, cluster), rs in groups.items():
-        label = f"{model} {cluster.split(' (')[0]}"
-        if len(rs) == 1 and "curve" in rs[0]:
-            xs = sorted(rs[0]["curve"], key=int)
-            line, = b.plot([int(x) for x in xs], [rs[0]["curve"][x] for x in xs], "-", alpha=0.6,
-                           label=label)
-        else:
-            line, = b.plot([r["ranks"] for r in rs], [r["predicted"] for r in rs],
-                           "--" if len(rs) > 1 else "", marker="x" if len(rs) == 1 else None,
-                           alpha=0.7, label=label)
-        b.plot([r["ranks"] for r in rs], [r["published"] for r in rs],
-               "s" if source.startswith("dle") else "o", color=line.get_color())
-        fitted = [r for r in rs if r.get("predicted_with_step_cost") is not None]
-        if fitted:
-            b.plot([r["ranks"] for r in fitted], [r["predicted_with_step_cost"] for r in fitted],
-                   ":", marker="+", color=line.get_color())
-    b.set_xscale("log", base=2)
-    b.set_xlabel("GPUs")
-    b.set_ylabel("scaling efficiency")
-    b.set_ylim(0.6, 1.05)
-    b.set_title("published (markers: o 2017-18, s NVIDIA 2020) vs predicted (lines; "
-                "+: BERT with the per-step cost fitted at 32)", fontsize=8)
-    b.legend(fontsize=5, ncol=2)
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(17, 5))
+    rows = [r for r in published if "predicted" in r]
+    plot_published(b, [r for r in rows if not r["source"].startswith("dle")],
+                   "Horovod 2017-18 and TF K80: published (o) vs predicted (lines)")
+    plot_published(c, [r for r in rows if r["source"].startswith("dle")],
+                   "NVIDIA DeepLearningExamples 2020: published (o) vs predicted\n"
+                   "(BERT dotted +: per-step cost fitted at 32 GPUs)")
     if here:
+        key = "measured_now" if all("measured_now" in r for r in here) else "measured_median"
         names = sorted({r["model"] for r in here})
         for n, marker in ((1, "o"), (2, "s")):
             rs = [next(r for r in here if r["model"] == m and r["np"] == n) for m in names]
-            a.scatter([r["measured_median"] for r in rs], [r["predicted"] for r in rs],
-                      marker=marker, label=f"np={n}")
+            a.scatter([r[key] for r in rs], [r["predicted"] for r in rs], marker=marker,
+                      label=f"np={n}")
             for r in rs:
-                a.annotate(r["model"], (r["measured_median"], r["predicted"]), fontsize=6)
-        lim = [50, 10000]
+                a.annotate(r["model"], (r[key], r["predicted"]), fontsize=6)
+        lim = [50, 15000]
         a.plot(lim, lim, "k-", lw=0.5)
         a.plot(lim, [x * 1.15 for x in lim], "k:", lw=0.5)
         a.plot(lim, [x * 0.85 for x in lim], "k:", lw=0.5)
         a.set_xscale("log")
         a.set_yscale("log")
-        a.set_xlabel("measured samples/s (vs_single.json median)")
+        a.set_xlabel("measured samples/s (" + ("median of the rounds run now"
+                                               if key == "measured_now"
+                                               else "vs_single.json median") + ")")
         a.set_ylabel("predicted samples/s")
         a.set_title("this machine (dotted: +-15 %)")
         a.legend()
@@ -245,7 +268,9 @@ def main(argv=None) -> int:
                   + (f"  with the per-step cost fitted at {BERT_FIT_AT}: "
                      f"{r['predicted_with_step_cost']:.1%}"
                      if r.get("predicted_with_step_cost") is not None else "")
-                  + (f"  unmodelled {r['extra_ms']:.1f} ms/step" if "extra_ms" in r else ""))
+                  + (f"  unmodelled {r['extra_ms']:.1f} ms/step" if "extra_ms" in r else "")
+                  + (f"  nothing overlapped: {r['predicted_no_overlap']:.1%}"
+                     if "predicted_no_overlap" in r else ""))
         else:
             f = r["implied_tcp_fraction"]
             print(f"{r['source']:<20} {r['model']:<15} {'RDMA/TCP':<26} {r['ranks']:>4} "
@@ -294,10 +319,22 @@ def main(argv=None) -> int:
         if nows:
             print(f"within 15 % of the medians run now: {sum(e <= 0.15 for e in nows)} of "
                   f"{len(nows)}; median |error| {statistics.median(nows):.1%}")
+        old = [(abs(r["error_now"]), abs(r["error_now_one_cycle"])) for r in here
+               if "error_now_one_cycle" in r]
+        if old:
+            print(f"np=2 within 15 % of the medians run now: {sum(a <= 0.15 for a, _ in old)} "
+                  f"of {len(old)}; with one cycle at the end of the backward pass (the model "
+                  f"before): {sum(b <= 0.15 for _, b in old)} of {len(old)}")
     gaps = [abs(r["predicted"] - r["published"]) * 100 for r in published if "predicted" in r]
     print(f"published: within 10 points: {sum(g <= 10 for g in gaps)} of {len(gaps)}")
     fitted = [abs(r["predicted_with_step_cost"] - r["published"]) * 100 for r in published
               if r.get("predicted_with_step_cost") is not None]
+    k80 = [r for r in published if "predicted_no_overlap" in r]
+    if k80:
+        below = max(r["predicted_no_overlap"] - r["published"] for r in k80) * 100
+        print(f"K80 parameter-server runs between the full-overlap and no-overlap predictions: "
+              f"{sum(r['predicted_no_overlap'] <= r['published'] <= r['predicted'] for r in k80)}"
+              f" of {len(k80)}; at most {below:.1f} points below the no-overlap one")
     if fitted:
         print(f"BERT with the per-step cost fitted at 32 GPUs, held-out N: within 10 points: "
               f"{sum(g <= 10 for g in fitted)} of {len(fitted)}, largest gap "

@@ -91,8 +91,9 @@ class Cluster:
         intra_latency_s: per-step latency of a ring step within a host, seconds.
         inter_bw: network bandwidth of one host (all its NICs, after protocol overhead), bytes/s.
         inter_latency_s: per-step latency of a ring step between hosts, seconds.
-        overlap: the all-reduce can run while the backward pass computes (GPU ranks: the
-            collectives use copy engines/NICs; CPU ranks: the same cores do both, so no).
+        overlap: the all-reduce's time can hide behind the backward pass (GPU ranks: the
+            collectives use copy engines/NICs; CPU ranks: the same cores do both, so no: every
+            cycle's time adds to the step).
         source: where the figures come from.
         intra_table: measured one-host all-reduce times ``((bytes, seconds), ...)`` at
             ``table_ranks`` ranks, ascending; when given, one-host all-reduces are interpolated
@@ -344,10 +345,14 @@ def predict_step(profile: ComputeProfile, ranks: int, cluster: Cluster,
     """Predict one optimizer step of ``ranks`` ranks.
 
     The k-1 first micro-batches compute alone; the last one's gradients are enqueued as its
-    backward pass makes them (``ready_s``), or all at its end where ``cluster.overlap`` is false;
-    the step ends when both the backward pass and the last all-reduce are done, plus the optimizer
-    step and the wait for the slowest rank (:func:`straggler_seconds`). ``exposed = max(0, last
-    all-reduce end - backward end)``.
+    backward pass makes them (``ready_s``; a profile whose gradients are all ready at the end, as
+    Keras on TensorFlow, enqueues them together), and Horovod's cycles run as :func:`schedule`
+    says. Where ``cluster.overlap`` holds, the step ends when both the backward pass and the last
+    all-reduce are done: ``exposed = max(0, last all-reduce end - backward end)``. Where it does
+    not (CPU ranks: the same cores compute and communicate), the cycles are the same, since the
+    hooks enqueue each gradient as it is made and the background thread wakes for it, but none
+    of their time hides: ``exposed = comm``. Then the optimizer step and the wait for the
+    slowest rank (:func:`straggler_seconds`).
 
     Returns:
         a :class:`StepPrediction`.
@@ -355,12 +360,15 @@ def predict_step(profile: ComputeProfile, ranks: int, cluster: Cluster,
     k = settings.backward_passes_per_step
     bwd_start = (k - 1) * profile.micro_batch_s + profile.forward_s
     bwd_end = k * profile.micro_batch_s
-    ready = [(bwd_start + (g.ready_s if cluster.overlap else profile.backward_s),
-              sent_bytes(g.nbytes, settings.compression)) for g in profile.gradients]
+    ready = [(bwd_start + g.ready_s, sent_bytes(g.nbytes, settings.compression))
+             for g in profile.gradients]
     buckets = schedule(ready, ranks, cluster, settings)
-    comm_end = buckets[-1].end_s if buckets else bwd_end
-    exposed = max(0.0, comm_end - bwd_end)
     comm = comm_seconds(buckets, ranks, cluster)
+    if cluster.overlap:
+        comm_end = buckets[-1].end_s if buckets else bwd_end
+        exposed = max(0.0, comm_end - bwd_end)
+    else:
+        exposed = comm
     straggler = straggler_seconds(profile, ranks, k)
     step = bwd_end + exposed + profile.optimizer_s + straggler
     return StepPrediction(

@@ -87,9 +87,25 @@ def test_overlap_by_hand():
 
 
 def test_no_overlap_on_cpu_ranks():
-    # Same case, the all-reduces wait for the backward pass to end: both exposed.
+    # Same case on CPU ranks: the same all-reduces, none of them hidden.
     pred = predict_step(profile(), 2, flat(intra=1 * GB, overlap=False), WAKE)
     assert pred.exposed_s == pytest.approx(2e-3) and pred.overlap == pytest.approx(0.0)
+    assert pred.step_s == pytest.approx(5e-3 + 10e-3 + 2e-3 + 1e-3)
+
+
+def test_cpu_ranks_run_a_cycle_per_gradient_as_it_is_made():
+    # 2 ranks, 1 GB/s, 0.1 ms per hop; fusion up to 128 MiB, the thread woken on enqueue.
+    # Ready at +5 and +10 ms: two cycles, each negotiation 2 x 0.1 ms + (1 ms + 2 x 0.1 ms):
+    # 2.8 ms, all exposed on CPU ranks. The same gradients all ready at the end (Keras on
+    # TensorFlow): one cycle, one fused 2 MB all-reduce: 0.2 + 2 + 0.2 = 2.4 ms.
+    wake = HorovodSettings(cycle_wake=True)
+    cpu = flat(intra=1 * GB, lat=1e-4, overlap=False)
+    pred = predict_step(profile(), 2, cpu, wake)
+    assert len(pred.buckets) == 2
+    assert pred.comm_s == pytest.approx(2.8e-3) and pred.exposed_s == pytest.approx(2.8e-3)
+    at_end = predict_step(measure.all_ready_at_end(profile()), 2, cpu, wake)
+    assert len(at_end.buckets) == 1 and at_end.buckets[0].nbytes == 2 * 10 ** 6
+    assert at_end.exposed_s == pytest.approx(2.4e-3)
 
 
 def test_k_micro_batches_by_hand():
