@@ -38,6 +38,8 @@ RESULTS = HERE / "results"
 GLOBAL_BATCH = {"mnist": 64, "cnn": 64, "dense": 64, "gpt": 16}  # as benchmarks/vs_single.py
 # hvdtrain's CPU rank settings (hvdtrain.launch.tuning): 4 MiB fusion, thread woken on enqueue.
 CPU_SETTINGS = HorovodSettings(fusion_threshold=4 * MiB, cycle_time_s=1e-3, cycle_wake=True)
+
+
 def check_allreduce(path: Path | None = None) -> list[dict]:
     """The ring formula with the fitted alpha and B (not the interpolated table, which passes
     through the points by construction) plus Horovod's cycle (a call enqueued just after a tick

@@ -90,8 +90,6 @@ def published_profile(model: str, throughput: float, batch: int):
 def implied_fraction(prof, n, c, target_eff) -> float | None:
     """The fraction of the cluster's network bandwidth at which the model gives ``target_eff``
     at ``n`` ranks (bisection; None when even the full bandwidth gives less)."""
-    from dataclasses import replace
-
     def eff(f):
         cf = replace(c, inter_bw=c.inter_bw * f, intra_busbw=c.intra_busbw)
         return efficiency(predict_step(prof, n, cf, HOROVOD_2017),
@@ -134,7 +132,6 @@ def check_2017() -> list[dict]:
         print(f"  predict {model:<10} RDMA/TCP at N=128: {ratio:.3f}")
         tcp_fraction = None
         if model == "vgg16":  # what TCP bandwidth would make RDMA 1.30x faster?
-            from dataclasses import replace
             base = clusters.PRESETS["pcie-25gbe"]
             lo, hi = 1e-3, 1.0
             for _ in range(40):

@@ -42,15 +42,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
                       "--step-time-ms or --throughput")
     what.add_argument("--step-time-ms", type=float,
                       help="one rank's forward+backward+optimizer time per micro-batch, ms, "
-                      "instead of measuring it here")
+                      "instead of measuring it here (without the per-step work given as "
+                      "--optimizer-ms)")
     what.add_argument("--throughput", type=float,
                       help="one device's samples/s (e.g. a published single-GPU figure), "
                       "instead of measuring")
     what.add_argument("--optimizer-ms", type=float,
                       help="with --step-time-ms or --throughput: the work done once per "
                       "optimizer step rather than per micro-batch (the optimizer's update, "
-                      "accumulators), ms; it weighs more as k falls (default: 0, inside the "
-                      "given time)")
+                      "accumulators), ms, added to the given time, which then leaves it out; it "
+                      "weighs more as k falls (default: 0)")
     what.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                       help="where to measure the compute (default: cpu)")
     what.add_argument("--repeats", type=int, default=10, help="timed steps (default: 10)")

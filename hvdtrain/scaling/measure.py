@@ -4,7 +4,8 @@ derived from a given step time / published per-device throughput.
 A measured profile times, per micro-batch, the forward pass (model + loss), the backward pass
 and the optimizer step (SGD with momentum 0.9, as the benchmarks), and the time at which each
 gradient becomes final during the backward pass (``Tensor.register_post_accumulate_grad_hook``,
-PyTorch >= 2.1), medians over ``repeats`` steps after ``warmup``. On a GPU the times are taken
+PyTorch >= 2.1), over ``repeats`` steps after ``warmup``: the phases' means
+(:func:`mean_time`), each gradient's median ready time. On a GPU the times are taken
 after ``torch.cuda.synchronize()``; hook times are when autograd finished the gradient on the
 host side.
 

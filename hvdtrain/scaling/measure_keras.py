@@ -156,8 +156,7 @@ def _torch_profile(model, batch_size: int, times: list[float], marks: list[dict]
     grads = sorted((Gradient(v.path, math.prod(v.shape) * 4, med(ready[v.path]))
                     for v in model.trainable_variables), key=lambda g: g.ready_s)
     return ComputeProfile(batch_size, mean_time(fwd), mean_time(bwd), mean_time(opt), tuple(grads),
-                          source,
-                          robust_std(steps))
+                          source, robust_std(steps))
 
 
 def keras_gradient_sizes(spec: str) -> list[tuple[str, int]]:

@@ -351,7 +351,8 @@ def predict_step(profile: ComputeProfile, ranks: int, cluster: Cluster,
     all-reduce are done: ``exposed = max(0, last all-reduce end - backward end)``. Where it does
     not (CPU ranks: the same cores compute and communicate), the cycles are the same, since the
     hooks enqueue each gradient as it is made and the background thread wakes for it, but none
-    of their time hides: ``exposed = comm``. Then the optimizer step and the wait for the
+    of their time hides: ``exposed = max(comm, last all-reduce end - backward end)`` (the second
+    where the thread waits for a cycle's tick). Then the optimizer step and the wait for the
     slowest rank (:func:`straggler_seconds`).
 
     Returns:
@@ -364,11 +365,10 @@ def predict_step(profile: ComputeProfile, ranks: int, cluster: Cluster,
              for g in profile.gradients]
     buckets = schedule(ready, ranks, cluster, settings)
     comm = comm_seconds(buckets, ranks, cluster)
-    if cluster.overlap:
-        comm_end = buckets[-1].end_s if buckets else bwd_end
-        exposed = max(0.0, comm_end - bwd_end)
-    else:
-        exposed = comm
+    comm_end = buckets[-1].end_s if buckets else bwd_end
+    exposed = max(0.0, comm_end - bwd_end)
+    if not cluster.overlap:  # nothing hides, and the last one still waits for its cycle's tick
+        exposed = max(exposed, comm)
     straggler = straggler_seconds(profile, ranks, k)
     step = bwd_end + exposed + profile.optimizer_s + straggler
     return StepPrediction(

@@ -87,10 +87,23 @@ def test_overlap_by_hand():
 
 
 def test_no_overlap_on_cpu_ranks():
-    # Same case on CPU ranks: the same all-reduces, none of them hidden.
+    # Same case on CPU ranks: the same all-reduces, none of them hidden (2 ms where the GPU
+    # case above exposes 1 ms).
     pred = predict_step(profile(), 2, flat(intra=1 * GB, overlap=False), WAKE)
     assert pred.exposed_s == pytest.approx(2e-3) and pred.overlap == pytest.approx(0.0)
     assert pred.step_s == pytest.approx(5e-3 + 10e-3 + 2e-3 + 1e-3)
+
+
+def test_cpu_ranks_still_wait_for_the_cycle_tick():
+    # Wake off, 5 ms cycle: the 1 MB gradients ready at 10 and 15 ms go in the ticks at 10 and
+    # 15 ms (1 ms each): 2 ms, all exposed. A 20 ms cycle fuses both in the tick at 20 ms, to
+    # 22 ms: 7 ms exposed, more than its 2 ms of all-reduce; a longer cycle is never faster.
+    cpu = flat(intra=1 * GB, overlap=False)
+    fused = HorovodSettings(cycle_time_s=5e-3)
+    assert predict_step(profile(), 2, cpu, fused).exposed_s == pytest.approx(2e-3)
+    slow = predict_step(profile(), 2, cpu, HorovodSettings(cycle_time_s=20e-3))
+    assert slow.comm_s == pytest.approx(2e-3) and slow.exposed_s == pytest.approx(7e-3)
+    assert slow.step_s == pytest.approx(5e-3 + 10e-3 + 7e-3 + 1e-3)
 
 
 def test_cpu_ranks_run_a_cycle_per_gradient_as_it_is_made():
@@ -315,11 +328,12 @@ def test_measured_phases_are_means_so_a_stalled_step_counts(monkeypatch):
     assert measure.mean_time([1.0, 1.0, 4.0]) == 2.0
 
 
-def test_published_bert_per_step_cost_reproduces_its_fit_point():
-    # benchmarks/plan_published.py fits one per-step cost at 32 GPUs; with it the model must
-    # give the published 32-GPU efficiency, and without it more (the cost only slows steps).
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]
-                           / "benchmarks"))
+def test_published_bert_per_step_cost_reproduces_its_fit_point(monkeypatch):
+    # benchmarks/plan_published.py fits one per-step cost to the published 32-GPU step time;
+    # with it the model gives the published 32-GPU efficiency (to 2e-3: the cost is also paid
+    # once per 1,024 micro-batches on one GPU), and without it more (the cost only slows steps).
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).resolve().parents[2]
+                                    / "benchmarks"))
     import plan_published as pub
     rows = pub.check_dle_bert()
     c = clusters.PRESETS["nvlink-ib200x8"]
