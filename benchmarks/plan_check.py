@@ -133,13 +133,13 @@ def check_here(repeats: int, path: str = "torch", live: int = 0,
                    "error": pred.samples_per_s / stats[key]["median"] - 1,
                    "comm_ms": pred.comm_s * 1e3, "step_ms": pred.step_s * 1e3,
                    "allreduces": len(pred.buckets)}
-            if n == 2:
-                row["predicted_one_cycle"] = one_cycle.samples_per_s
             if now:
                 mid = statistics.median(now[n])
                 row.update(measured_now=mid, measured_now_runs=now[n],
                            error_now=pred.samples_per_s / mid - 1)
-                if n == 2:
+            if n == 2:
+                row["predicted_one_cycle"] = one_cycle.samples_per_s
+                if now:
                     row["error_now_one_cycle"] = one_cycle.samples_per_s / mid - 1
             rows.append(row)
     return rows

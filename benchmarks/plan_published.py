@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hvdtrain.scaling import clusters, measure  # noqa: E402
 from hvdtrain.scaling.model import (MiB, Cluster, ComputeProfile, HorovodSettings,  # noqa: E402
-                                    efficiency, predict_step)
+                                    efficiency, predict_step, with_settings)
 
 # Horovod as of the paper (v0.9-0.11, 2017): fusion buffer 64 MB, cycle time 5 ms (the cycle
 # default became 1 ms in v0.21, horovod/horovod#2468).
@@ -87,20 +87,30 @@ def published_profile(model: str, throughput: float, batch: int):
                                           source=f"published {throughput:.1f} img/s")
 
 
-def implied_fraction(prof, n, c, target_eff) -> float | None:
-    """The fraction of the cluster's network bandwidth at which the model gives ``target_eff``
-    at ``n`` ranks (bisection; None when even the full bandwidth gives less)."""
-    def eff(f):
-        cf = replace(c, inter_bw=c.inter_bw * f, intra_busbw=c.intra_busbw)
-        return efficiency(predict_step(prof, n, cf, HOROVOD_2017),
-                          predict_step(prof, 1, cf, HOROVOD_2017))
-    if n <= c.ranks_per_host or eff(1.0) < target_eff:
-        return None  # one host: no network to blame
+def predict_eff(prof, n: int, c: Cluster, settings: HorovodSettings = HOROVOD_2017):
+    """``(prediction at n ranks, scaling efficiency against one rank)``."""
+    pred = predict_step(prof, n, c, settings)
+    return pred, efficiency(pred, predict_step(prof, 1, c, settings))
+
+
+def smallest_fraction(reaches) -> float:
+    """The smallest fraction f in [0.001, 1] of the network bandwidth with ``reaches(f)`` true,
+    for ``reaches`` that turns true once and stays so as f grows (bisection, 40 halvings)."""
     lo, hi = 1e-3, 1.0
     for _ in range(40):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if eff(mid) < target_eff else (lo, mid)
+        lo, hi = (lo, mid) if reaches(mid) else (mid, hi)
     return hi
+
+
+def implied_fraction(prof, n, c, target_eff) -> float | None:
+    """The fraction of the cluster's network bandwidth at which the model gives ``target_eff``
+    at ``n`` ranks (None when even the full bandwidth gives less)."""
+    def eff(f):
+        return predict_eff(prof, n, replace(c, inter_bw=c.inter_bw * f))[1]
+    if n <= c.ranks_per_host or eff(1.0) < target_eff:
+        return None  # one host: no network to blame
+    return smallest_fraction(lambda f: eff(f) >= target_eff)
 
 
 def check_2017() -> list[dict]:
@@ -109,10 +119,8 @@ def check_2017() -> list[dict]:
     for source, model, preset, n, published in PUBLISHED:
         prof = published_profile(model, P100[model], 64)
         c = clusters.PRESETS[preset]
-        pred = predict_step(prof, n, c, HOROVOD_2017)
-        eff = efficiency(pred, predict_step(prof, 1, c, HOROVOD_2017))
-        curve = {m: efficiency(predict_step(prof, m, c, HOROVOD_2017),
-                               predict_step(prof, 1, c, HOROVOD_2017))
+        pred, eff = predict_eff(prof, n, c)
+        curve = {m: predict_eff(prof, m, c)[1]
                  for m in (1, 4, 8, 16, 32, 64, 128, 256, 512) if m <= n}
         print(f"  predict {model:<10} {preset:<16} N={n:<4}: efficiency {eff:6.1%} "
               f"(comm {pred.comm_s * 1e3:6.1f} ms, exposed {pred.exposed_s * 1e3:6.1f} ms of a "
@@ -133,13 +141,9 @@ def check_2017() -> list[dict]:
         tcp_fraction = None
         if model == "vgg16":  # what TCP bandwidth would make RDMA 1.30x faster?
             base = clusters.PRESETS["pcie-25gbe"]
-            lo, hi = 1e-3, 1.0
-            for _ in range(40):
-                mid = (lo + hi) / 2
-                t = predict_step(prof, 128, replace(base, inter_bw=base.inter_bw * mid),
-                                 HOROVOD_2017)
-                lo, hi = (mid, hi) if rdma.samples_per_s / t.samples_per_s > 1.30 else (lo, mid)
-            tcp_fraction = hi
+            tcp_fraction = smallest_fraction(lambda f: rdma.samples_per_s / predict_step(
+                prof, 128, replace(base, inter_bw=base.inter_bw * f),
+                HOROVOD_2017).samples_per_s <= 1.30)
         rows.append({"source": "horovod-paper-fig7", "model": model, "ranks": 128,
                      "predicted_ratio": ratio, "published_ratio": published,
                      "implied_tcp_fraction": tcp_fraction})
@@ -207,8 +211,7 @@ def check_dle_resnet50() -> list[dict]:
     for machine, preset, n, batch, precision, one, total in DLE_RESNET50:
         c = DGX2 if preset == "dgx-2" else clusters.PRESETS[preset]
         prof = published_profile("resnet50", one, batch)
-        pred = predict_step(prof, n, c, HOROVOD_2017)
-        eff = efficiency(pred, predict_step(prof, 1, c, HOROVOD_2017))
+        pred, eff = predict_eff(prof, n, c)
         model = f"resnet50 {precision}"
         print(f"  predict {model:<14} {machine:<9} N={n:<3}: efficiency {eff:6.1%} (comm "
               f"{pred.comm_s * 1e3:5.2f} ms, exposed {pred.exposed_s * 1e3:5.2f} ms of a "
@@ -232,6 +235,12 @@ def bert_profile(throughput: float, overhead_s: float = 0.0) -> ComputeProfile:
     return replace(prof, optimizer_s=overhead_s)
 
 
+def bert_settings(n: int, compression: str) -> HorovodSettings:
+    """Horovod's settings of the BERT run at ``n`` GPUs: the defaults of then, its k."""
+    return with_settings(HOROVOD_2017, compression=compression,
+                         backward_passes_per_step=DLE_BERT[n][0])
+
+
 def check_dle_bert() -> list[dict]:
     """BERT-Large pre-training at a fixed global batch: k falls from 1,024 (1 GPU) to 4 (256
     GPUs), so the per-step costs that do not shrink with k weigh more at scale. Predicted twice:
@@ -244,10 +253,8 @@ def check_dle_bert() -> list[dict]:
 
         def eff_at(n, overhead_s):
             prof = bert_profile(one, overhead_s)
-            at = lambda m: predict_step(prof, m, c, HorovodSettings(  # noqa: E731
-                fusion_threshold=64 * MiB, cycle_time_s=5e-3, compression=compression,
-                backward_passes_per_step=DLE_BERT[m][0]))
-            return at(n), efficiency(at(n), at(1))
+            pred = predict_step(prof, n, c, bert_settings(n, compression))
+            return pred, efficiency(pred, predict_step(prof, 1, c, bert_settings(1, compression)))
         k_fit, _, _ = DLE_BERT[BERT_FIT_AT]
         pred_fit, _ = eff_at(BERT_FIT_AT, 0.0)
         published_step = k_fit * 64 * BERT_FIT_AT / DLE_BERT[BERT_FIT_AT][col]

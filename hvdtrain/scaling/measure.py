@@ -133,14 +133,25 @@ def measure_torch(spec: str, batch_size: int, threads: int | None = None, warmup
             opt.append(t3 - t2)
             for n in ready:
                 ready[n].append(marks.get(n, t2) - t1)
-    median = statistics.median
-    grads = sorted((Gradient(n, p.numel() * p.element_size(), median(ready[n]))
-                    for n, p in params), key=lambda g: g.ready_s)
-    steps = [a + b + c for a, b, c in zip(fwd, bwd, opt)]
-    return ComputeProfile(batch_size, mean_time(fwd), mean_time(bwd), mean_time(opt), tuple(grads),
-                          f"measured here: {spec}, batch {batch_size}, "
-                          f"{torch.get_num_threads()} threads, {device}",
-                          robust_std(steps))
+    return timed_profile(batch_size, fwd, bwd, opt,
+                         {n: (p.numel() * p.element_size(), ready[n]) for n, p in params},
+                         [a + b + c for a, b, c in zip(fwd, bwd, opt)],
+                         f"measured here: {spec}, batch {batch_size}, "
+                         f"{torch.get_num_threads()} threads, {device}")
+
+
+def timed_profile(batch_size: int, fwd: list[float], bwd: list[float], opt: list[float],
+                  ready: dict[str, tuple[int, list[float]]], steps: list[float],
+                  source: str) -> ComputeProfile:
+    """A :class:`ComputeProfile` from per-step timings (seconds) of the timed steps: the phases'
+    means (:func:`mean_time`), each gradient's median ready time (``ready``: name -> (bytes,
+    ready times)), gradients in the order they become ready, and the steps' jitter
+    (:func:`robust_std` of ``steps``). PyTorch's and Keras-on-torch's measurements both end
+    here."""
+    grads = sorted((Gradient(name, nbytes, statistics.median(times))
+                    for name, (nbytes, times) in ready.items()), key=lambda g: g.ready_s)
+    return ComputeProfile(batch_size, mean_time(fwd), mean_time(bwd), mean_time(opt),
+                          tuple(grads), source, robust_std(steps))
 
 
 def _load(spec: str, batch_size: int, threads: int, started, stop) -> None:

@@ -20,11 +20,10 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import os
-import statistics
 import time
 
 from hvdtrain.scaling.measure import (BUILTIN, background_copies, load_builder, mean_time,
-                                      robust_std)
+                                      robust_std, timed_profile)
 from hvdtrain.scaling.model import ComputeProfile, Gradient
 
 
@@ -101,11 +100,11 @@ def measure_keras(spec: str, batch_size: int, threads: int | None = None, warmup
     model.fit(data, epochs=1, steps_per_epoch=warmup + repeats + 1, verbose=0,
               callbacks=[Clock()])
     steps = [b - a for a, b in zip(times[warmup:], times[warmup + 1:])]
-    step = mean_time(steps)
     if marks is not None:  # marks[i + 1]: the step that ended at times[i + 1]
         return _torch_profile(model, batch_size, times, marks, warmup, steps,
                               f"measured here: Keras torch {spec}, batch {batch_size}, "
                               f"{threads or 'default'} threads, fit steps with hooks")
+    step = mean_time(steps)
     forward, backward = step / 3, step - step / 3
     grads = tuple(Gradient(v.path, math.prod(v.shape) * 4, backward)
                   for v in reversed(model.trainable_variables))
@@ -137,10 +136,9 @@ def _torch_marks(model) -> list[dict]:
 def _torch_profile(model, batch_size: int, times: list[float], marks: list[dict], warmup: int,
                    steps: list[float], source: str) -> ComputeProfile:
     """The profile of Keras torch steps from :func:`_torch_marks`, over the steps after
-    ``warmup``: the means (:func:`~hvdtrain.scaling.measure.mean_time`) of forward (step start
-    to backward start), backward (to the last gradient) and the optimizer (the rest), and each
-    gradient's median ready time."""
-    med = statistics.median
+    ``warmup`` (:func:`~hvdtrain.scaling.measure.timed_profile`): forward (step start to
+    backward start), backward (to the last gradient), the optimizer (the rest) and each
+    gradient's ready time."""
     fwd, bwd, opt, ready = [], [], [], {v.path: [] for v in model.trainable_variables}
     for i in range(warmup, len(times) - 1):
         m, start, end = marks[i + 1], times[i], times[i + 1]
@@ -153,10 +151,9 @@ def _torch_profile(model, batch_size: int, times: list[float], marks: list[dict]
         opt.append(end - last)
         for path in ready:
             ready[path].append(m.get(path, last) - t0)
-    grads = sorted((Gradient(v.path, math.prod(v.shape) * 4, med(ready[v.path]))
-                    for v in model.trainable_variables), key=lambda g: g.ready_s)
-    return ComputeProfile(batch_size, mean_time(fwd), mean_time(bwd), mean_time(opt), tuple(grads),
-                          source, robust_std(steps))
+    return timed_profile(batch_size, fwd, bwd, opt,
+                         {v.path: (math.prod(v.shape) * 4, ready[v.path])
+                          for v in model.trainable_variables}, steps, source)
 
 
 def keras_gradient_sizes(spec: str) -> list[tuple[str, int]]:

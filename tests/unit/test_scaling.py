@@ -343,9 +343,7 @@ def test_published_bert_per_step_cost_reproduces_its_fit_point(monkeypatch):
         prof = pub.bert_profile(pub.DLE_BERT[1][col], fit["fitted_step_cost_ms"] / 1e3)
 
         def at(n):
-            return predict_step(prof, n, c, HorovodSettings(
-                fusion_threshold=64 * MiB, cycle_time_s=5e-3, compression=compression,
-                backward_passes_per_step=pub.DLE_BERT[n][0]))
+            return predict_step(prof, n, c, pub.bert_settings(n, compression))
         assert efficiency(at(32), at(1)) == pytest.approx(fit["published"], abs=2e-3)
         assert fit["predicted"] > fit["published"]
         held_out = [r for r in rows if r["model"] == fit["model"] and r["ranks"] > 32]
