@@ -23,9 +23,14 @@ import time
 import numpy as np
 
 IMPLS = ("horovod-mpi", "horovod-mpi-cycle0.1", "horovod-gloo", "mpi4py", "torch-gloo", "ring")
+# Not run unless named in --impls (or --impls all): Horovod's TensorFlow binding (hvd.allreduce
+# out of place, as hvdtrain.keras's grouped all-reduce on the TensorFlow backend, which averages
+# where this sums), which `hvdtrain plan` uses for Keras on TensorFlow when the file has it; the
+# torch binding reduces in place.
+EXTRA_IMPLS = ("horovod-tf-cycle0.1",)
 # Horovod's background thread batches requests every HOROVOD_CYCLE_TIME ms; the cycle0.1 variant
 # sets it to 0.1 ms (hvdtrain launch --cycle-time-ms 0.1) to show what that latency costs.
-CYCLE_TIME = {"horovod-mpi-cycle0.1": "0.1"}
+CYCLE_TIME = {"horovod-mpi-cycle0.1": "0.1", "horovod-tf-cycle0.1": "0.1"}
 
 
 def sizes(lo: int, hi: int) -> list[int]:
@@ -42,7 +47,21 @@ def iters_for(nbytes: int, iters: int) -> int:
 
 def worker(impl: str, byte_sizes: list[int], iters: int, warmup: int, json_out: str) -> None:
     """Time one implementation for every size; rank 0 writes ``{size: seconds}`` to json_out."""
-    if impl.startswith("horovod"):
+    if impl.startswith("horovod-tf"):
+        import horovod.tensorflow as hvd
+        import tensorflow as tf
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+
+        def make(n):
+            return tf.ones([n // 4], dtype=tf.float32)
+
+        def op(t, i):
+            return hvd.allreduce(t, op=hvd.Sum, name=f"bench.{t.shape[0]}")
+
+        def barrier():
+            hvd.allreduce(tf.zeros([1]), name="bench.barrier")
+    elif impl.startswith("horovod"):
         import horovod.torch as hvd
         import torch
         hvd.init()
@@ -118,7 +137,7 @@ def launch_argv(impl: str, np_: int, args) -> list[str]:
     me = [sys.executable, os.path.abspath(__file__), "--worker", impl, "--min-bytes",
           str(args.min_bytes), "--max-bytes", str(args.max_bytes), "--iters", str(args.iters),
           "--warmup", str(args.warmup)]
-    if impl.startswith("horovod-mpi"):
+    if impl.startswith(("horovod-mpi", "horovod-tf")):
         return common.horovodrun(np_, me)
     if impl == "horovod-gloo":
         return common.horovodrun(np_, me, extra=("--gloo",))
@@ -137,8 +156,11 @@ def fit_alpha_beta(byte_sizes, seconds, n: int) -> tuple[float, float]:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--worker", choices=IMPLS)
-    p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--worker", choices=IMPLS + EXTRA_IMPLS)
+    p.add_argument("--impls", default=",".join(IMPLS),
+                   help=f"comma-separated (default: {','.join(IMPLS)}; also "
+                   f"{','.join(EXTRA_IMPLS)}; all: every one). The results file is rewritten "
+                   "with the series measured")
     p.add_argument("--np", type=int, default=2)
     p.add_argument("--min-bytes", type=int, default=4096)
     p.add_argument("--max-bytes", type=int, default=64 << 20)
@@ -156,7 +178,8 @@ def main(argv=None) -> dict:
     env["PYTHONPATH"] = f"{common.HERE}{os.pathsep}{env.get('PYTHONPATH', '')}"
     n = args.np
     results = {}
-    for impl in args.impls.split(","):
+    impls = IMPLS + EXTRA_IMPLS if args.impls == "all" else args.impls.split(",")
+    for impl in impls:
         impl_env = dict(env)
         if impl in CYCLE_TIME:
             impl_env["HOROVOD_CYCLE_TIME"] = CYCLE_TIME[impl]

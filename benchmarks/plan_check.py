@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 from pathlib import Path
+from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -43,16 +44,22 @@ CPU_SETTINGS = HorovodSettings(fusion_threshold=4 * MiB, cycle_time_s=1e-3, cycl
 def check_allreduce(path: Path | None = None) -> list[dict]:
     """The ring formula with the fitted alpha and B (not the interpolated table, which passes
     through the points by construction) plus Horovod's cycle (a call enqueued just after a tick
-    waits for the next one: 0.1 ms or the default 1 ms), against both measured series."""
+    waits for the next one: 0.1 ms or the default 1 ms), against the measured series (PyTorch's
+    binding at both cycle times from the 0.1 ms series' fit; TensorFlow's from its own)."""
     from dataclasses import replace
 
     from hvdtrain.scaling.model import schedule
     path = path or clusters.find_allreduce_json()
     data = json.loads(path.read_text())
-    fitted = replace(clusters.this_host(path), intra_table=())
+    torch_fit = replace(clusters.this_host(path), intra_table=())
+    tf_series = clusters.BINDING_SERIES["tensorflow"]
     rows = []
-    for impl, cycle in (("horovod-mpi-cycle0.1", 1e-4), ("horovod-mpi", 1e-3)):
-        for size, seconds in data["seconds"].get(impl, {}).items():
+    for impl, cycle in (("horovod-mpi-cycle0.1", 1e-4), ("horovod-mpi", 1e-3), (tf_series, 1e-4)):
+        if impl not in data["seconds"]:
+            continue
+        fitted = (replace(clusters.this_host(path, impl), intra_table=()) if impl == tf_series
+                  else torch_fit)
+        for size, seconds in data["seconds"][impl].items():
             buckets = schedule([(1e-9, int(size))], data["np"], fitted,
                                HorovodSettings(cycle_time_s=cycle))
             pred = buckets[-1].end_s
@@ -61,9 +68,11 @@ def check_allreduce(path: Path | None = None) -> list[dict]:
     return rows
 
 
-def fresh_allreduce(path: Path) -> Path:
+def fresh_allreduce(path: Path, tensorflow: bool = True) -> Path:
     """Measure Horovod's all-reduce here now (benchmarks/allreduce.py's worker, horovodrun -np 2,
-    a 0.1 ms cycle) into ``path`` in allreduce.json's layout; results/allreduce.json untouched."""
+    a 0.1 ms cycle) through the PyTorch binding and, with ``tensorflow``, the TensorFlow one
+    (the Keras/TensorFlow rows use it), into ``path`` in allreduce.json's layout;
+    results/allreduce.json untouched."""
     sys.path.insert(0, str(HERE))
     import allreduce
     import common
@@ -71,36 +80,44 @@ def fresh_allreduce(path: Path) -> Path:
     env["PYTHONPATH"] = f"{common.HERE}{os.pathsep}{env.get('PYTHONPATH', '')}"
     env["HOROVOD_CYCLE_TIME"] = "0.1"
     ns = argparse.Namespace(min_bytes=4096, max_bytes=64 << 20, iters=20, warmup=3)
-    impl = "horovod-mpi-cycle0.1"
-    out = common.run_json(allreduce.launch_argv(impl, 2, ns), env)
-    path.write_text(json.dumps({"np": 2, "machine": common.machine(),
-                                "seconds": {impl: out["seconds"]}}))
+    seconds = {}
+    bindings = ("torch", "tensorflow") if tensorflow else ("torch",)
+    for impl in (clusters.BINDING_SERIES[b] for b in bindings):
+        seconds[impl] = common.run_json(allreduce.launch_argv(impl, 2, ns), env)["seconds"]
+    path.write_text(json.dumps({"np": 2, "machine": common.machine(), "seconds": seconds}))
     return path
 
 
-def live_baseline(path: str, model: str, runs: int = 3) -> dict[int, list[float]]:
-    """hvdtrain np=1 and np=2 samples/s measured now by benchmarks/vs_single.py's own variants,
-    ``runs`` rounds of one run each, interleaved (np=1, np=2, np=1, ...) so that a change in the
-    machine's load hits both alike; nothing written to results/. Returns ``{np: [samples/s of
-    each round]}``."""
+def live_variants(path: str, model: str) -> dict[int, Callable[[], float]]:
+    """``{np: run}`` for hvdtrain np=1 and np=2 run now by benchmarks/vs_single.py's own
+    variants (each call one run, its samples/s; nothing written to results/)."""
     sys.path.insert(0, str(HERE))
     import vs_single
     ns = argparse.Namespace(jit_compile="false", warmup=5, batches=None, iters=3, np=2)
     variants = vs_single.variants(path, model, ns)
-    out: dict[int, list[float]] = {1: [], 2: []}
-    for _ in range(runs):
-        out[1].append(variants[vs_single.NP1]())
-        out[2].append(variants[vs_single.NP2]())
-    return out
+    return {1: variants[vs_single.NP1], 2: variants[vs_single.NP2]}
+
+
+def middle(values: list[float]) -> int:
+    """The index of the median of ``values`` (the lower middle one for an even count, where
+    ``statistics.median`` of the runs averages the two: use an odd ``--live``)."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    return order[(len(values) - 1) // 2]
 
 
 def check_here(repeats: int, path: str = "torch", live: int = 0,
                allreduce_json: str | None = None) -> list[dict]:
     """np=1 and np=2 predictions of one path (``torch``, ``keras-tf``, ``keras-torch``; a Keras
-    path runs in the backend ``KERAS_BACKEND`` names) against vs_single.json's medians (and,
-    with ``live`` > 0, against the median of ``live`` rounds run right after the prediction)."""
+    path runs in the backend ``KERAS_BACKEND`` names) against vs_single.json's medians and, with
+    ``live`` > 0, against hvdtrain run now: ``live`` rounds, each one prediction (its compute
+    measured then) followed right away by one np=1 and one np=2 run, so that a change in the
+    machine's load hits the prediction and the run alike. The row's prediction is the median of
+    the rounds' (``predicted_runs``, the median round's by :func:`middle`; ``predicted_first``
+    is round 1's, what a single prediction, as one ``hvdtrain plan`` makes, gives), compared
+    with the median of the rounds' runs. ``cluster`` says which all-reduce series was used."""
     measured = json.loads((RESULTS / "vs_single.json").read_text())["results"]
-    c = clusters.this_host(allreduce_json)
+    c = clusters.this_host(allreduce_json,
+                           binding="tensorflow" if path == "keras-tf" else "torch")
     cores = c.ranks_per_host
     if path == "torch":
         alone = lambda m, b: measure.measure_torch(m, b, cores, repeats=repeats)  # noqa: E731
@@ -114,38 +131,53 @@ def check_here(repeats: int, path: str = "torch", live: int = 0,
             m, b, max(1, cores // 2), 2, repeats=2 * repeats)
     rows = []
     for model, batch in GLOBAL_BATCH.items():
-        pred1 = predict_step(alone(model, batch), 1, c, CPU_SETTINGS)
-        prof2 = side(model, batch // 2)
-        pred2 = predict_step(prof2, 2, c, CPU_SETTINGS)
-        # Before 2026-11-27 the model sent a CPU rank's gradients in one cycle at the end of
-        # the backward pass; kept side by side to show what the cycle-per-gradient term changed.
-        one_cycle = predict_step(measure.all_ready_at_end(prof2), 2, c, CPU_SETTINGS)
-        print(f"  predict {path}/{model:<6} np=1 {pred1.samples_per_s:9.1f}  np=2 "
-              f"{pred2.samples_per_s:9.1f} samples/s (np=2: comm {pred2.comm_s * 1e3:.2f} ms in "
-              f"{len(pred2.buckets)} all-reduces, compute {pred2.compute_s * 1e3:.2f} ms; "
-              f"one cycle at the end: {one_cycle.samples_per_s:.1f})", flush=True)
-        now = live_baseline(path, model, live) if live else {}
+        runs = live_variants(path, model) if live else {}
+        preds: dict[int, list] = {1: [], 2: []}
+        one_cycle, now = [], {1: [], 2: []}
+        for _ in range(max(1, live)):
+            preds[1].append(predict_step(alone(model, batch), 1, c, CPU_SETTINGS))
+            prof2 = side(model, batch // 2)
+            preds[2].append(predict_step(prof2, 2, c, CPU_SETTINGS))
+            # Before 2026-11-27 the model sent a CPU rank's gradients in one cycle at the end
+            # of the backward pass; kept side by side to show what the cycle-per-gradient term
+            # changed.
+            one_cycle.append(predict_step(measure.all_ready_at_end(prof2), 2, c, CPU_SETTINGS))
+            p1, p2 = preds[1][-1], preds[2][-1]
+            print(f"  predict {path}/{model:<6} np=1 {p1.samples_per_s:9.1f}  np=2 "
+                  f"{p2.samples_per_s:9.1f} samples/s (np=2: comm {p2.comm_s * 1e3:.2f} ms in "
+                  f"{len(p2.buckets)} all-reduces, compute {p2.compute_s * 1e3:.2f} ms; one "
+                  f"cycle at the end: {one_cycle[-1].samples_per_s:.1f})", flush=True)
+            for n in runs:
+                now[n].append(runs[n]())
+            if runs:
+                print(f"  run now {path}/{model:<6} np=1 {now[1][-1]:9.1f}  np=2 "
+                      f"{now[2][-1]:9.1f} samples/s", flush=True)
         stats = measured[f"{path}/{model}"]["stats"]
-        for n, pred, key in ((1, pred1, "hvdtrain np=1"), (2, pred2, "hvdtrain np=2")):
+        for n, key in ((1, "hvdtrain np=1"), (2, "hvdtrain np=2")):
+            values = [p.samples_per_s for p in preds[n]]
+            pred = preds[n][middle(values)]
             row = {"model": f"{path}/{model}", "np": n, "predicted": pred.samples_per_s,
+                   "predicted_runs": values, "predicted_first": values[0],
                    "measured_median": stats[key]["median"], "measured_min": stats[key]["min"],
                    "measured_max": stats[key]["max"],
                    "error": pred.samples_per_s / stats[key]["median"] - 1,
                    "comm_ms": pred.comm_s * 1e3, "step_ms": pred.step_s * 1e3,
-                   "allreduces": len(pred.buckets)}
-            if now:
+                   "allreduces": len(pred.buckets), "cluster": c.source}
+            if now[n]:
                 mid = statistics.median(now[n])
                 row.update(measured_now=mid, measured_now_runs=now[n],
-                           error_now=pred.samples_per_s / mid - 1)
+                           error_now=pred.samples_per_s / mid - 1,
+                           error_now_first=values[0] / mid - 1)
             if n == 2:
-                row["predicted_one_cycle"] = one_cycle.samples_per_s
-                if now:
-                    row["error_now_one_cycle"] = one_cycle.samples_per_s / mid - 1
+                row["predicted_one_cycle"] = statistics.median(
+                    p.samples_per_s for p in one_cycle)
+                if now[n]:
+                    row["error_now_one_cycle"] = row["predicted_one_cycle"] / mid - 1
             rows.append(row)
     return rows
 
 
-def check_here_keras(repeats: int, path: str, extra: list[str]) -> list[dict]:
+def check_here_keras(repeats: int, path: str, extra: list[str], live: int = 0) -> list[dict]:
     """:func:`check_here` for a Keras path in a child process (one Keras backend per process)."""
     import os
     import subprocess
@@ -153,9 +185,9 @@ def check_here_keras(repeats: int, path: str, extra: list[str]) -> list[dict]:
            "TF_CPP_MIN_LOG_LEVEL": "2"}
     proc = subprocess.run([sys.executable, __file__, "--here-path", path, "--repeats",
                            str(repeats), *extra], env=env, capture_output=True, text=True,
-                          timeout=900)
+                          timeout=900 * max(1, live))
     for line in proc.stdout.splitlines():
-        if line.startswith("  predict"):
+        if line.startswith(("  predict", "  run now")):
             print(line)
         if line.startswith("ROWS "):
             return json.loads(line[5:])
@@ -237,9 +269,9 @@ def main(argv=None) -> int:
     ap.add_argument("--paths", default="torch,keras-tf,keras-torch",
                     help="this machine's paths to check (default: all three)")
     ap.add_argument("--live", type=int, nargs="?", const=3, default=0, metavar="ROUNDS",
-                    help="also run hvdtrain np=1/np=2 now (vs_single's variants) next to each "
-                    "prediction, ROUNDS interleaved rounds (default 3), compared with their "
-                    "median")
+                    help="also run hvdtrain np=1/np=2 now (vs_single's variants): ROUNDS rounds "
+                    "(default 3), each a prediction followed by one np=1 and one np=2 run; the "
+                    "median prediction is compared with the median run")
     ap.add_argument("--fresh-allreduce", action="store_true",
                     help="measure the all-reduce here now instead of results/allreduce.json")
     ap.add_argument("--allreduce-json", help=argparse.SUPPRESS)
@@ -252,7 +284,8 @@ def main(argv=None) -> int:
     fresh = Path(args.allreduce_json) if args.allreduce_json else None
     if args.fresh_allreduce and not args.skip_here:
         import tempfile
-        fresh = fresh_allreduce(Path(tempfile.gettempdir()) / "hvdtrain-plan_check.allreduce.json")
+        fresh = fresh_allreduce(Path(tempfile.gettempdir()) / "hvdtrain-plan_check.allreduce.json",
+                                tensorflow="keras-tf" in args.paths.split(","))
         print(f"measured the all-reduce here now: {fresh}")
 
     print("== predictions: published clusters (inputs: single-GPU throughput, parameters, network)")
@@ -287,7 +320,7 @@ def main(argv=None) -> int:
         ar += check_allreduce(fresh)
     print(f"{'series':<28} {'bytes':>10} {'predicted ms':>12} {'measured ms':>12} {'pred/meas':>9}")
     for r in ar:
-        label = r["impl"] + (" (now)" if r["file"].startswith("plan_check") else "")
+        label = r["impl"] + (" (now)" if "plan_check" in r["file"] else "")
         print(f"{label:<28} {r['bytes']:>10} {r['predicted_s'] * 1e3:>12.3f} "
               f"{r['measured_s'] * 1e3:>12.3f} {r['ratio']:>9.2f}")
     print(f"all-reduce within 15 %: {sum(abs(r['ratio'] - 1) <= 0.15 for r in ar)} of {len(ar)}")
@@ -299,19 +332,20 @@ def main(argv=None) -> int:
             extra = (["--live", str(args.live)] if args.live else []) + (
                 ["--allreduce-json", str(fresh)] if fresh else [])
             here += (check_here(args.repeats, "torch", args.live, fresh and str(fresh))
-                     if path == "torch" else check_here_keras(args.repeats, path, extra))
+                     if path == "torch" else check_here_keras(args.repeats, path, extra, args.live))
         print("\n== compared with benchmarks/results/vs_single.json (median of 5 runs, min-max)"
               + (f" and with {args.live} rounds run now (median, min-max)" if args.live else ""))
-        print(f"{'model':<17} {'np':>2} {'predicted':>10} {'measured':>10} {'min-max':>17} "
-              f"{'error':>7} {'now':>9} {'min-max now':>17} {'error now':>9}")
+        print(f"{'model':<17} {'np':>2} {'predicted':>10} {'pred min-max':>17} {'measured':>10} "
+              f"{'min-max':>17} {'error':>7} {'now':>9} {'min-max now':>17} {'error now':>9}")
         for r in here:
             now = ""
             if "measured_now" in r:
                 runs = r.get("measured_now_runs") or [r["measured_now"]]
                 now = (f"{r['measured_now']:>9.1f} {min(runs):>8.0f}-{max(runs):<8.0f} "
                        f"{r['error_now']:>+9.1%}")
+            preds = r.get("predicted_runs") or [r["predicted"]]
             print(f"{r['model']:<17} {r['np']:>2} {r['predicted']:>10.1f} "
-                  f"{r['measured_median']:>10.1f} "
+                  f"{min(preds):>8.0f}-{max(preds):<8.0f} {r['measured_median']:>10.1f} "
                   f"{r['measured_min']:>8.0f}-{r['measured_max']:<8.0f} {r['error']:>+7.1%} "
                   f"{now}")
         errs = [abs(r["error"]) for r in here]
@@ -320,7 +354,12 @@ def main(argv=None) -> int:
         nows = [abs(r["error_now"]) for r in here if "error_now" in r]
         if nows:
             print(f"within 15 % of the medians run now: {sum(e <= 0.15 for e in nows)} of "
-                  f"{len(nows)}; median |error| {statistics.median(nows):.1%}")
+                  f"{len(nows)}; median |error| {statistics.median(nows):.1%} (the median of "
+                  f"{args.live} predictions, each measured right before its round)")
+            firsts = [abs(r["error_now_first"]) for r in here if "error_now_first" in r]
+            print(f"the first round's prediction alone (one hvdtrain plan): "
+                  f"{sum(e <= 0.15 for e in firsts)} of {len(firsts)} within 15 %; median "
+                  f"|error| {statistics.median(firsts):.1%}")
         old = [(abs(r["error_now"]), abs(r["error_now_one_cycle"])) for r in here
                if "error_now_one_cycle" in r]
         if old:

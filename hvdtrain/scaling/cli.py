@@ -32,9 +32,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                       help="built-in benchmark model (mnist, cnn, dense, gpt) or module:function "
                       "returning (model, loss_fn, (inputs, targets)) (default: cnn)")
     what.add_argument("--framework", choices=("torch", "keras"), default="torch",
-                      help="torch: per-gradient ready times from hooks; keras: whole fit steps "
-                      "on KERAS_BACKEND's backend, all gradients ready at the end (default: "
-                      "torch)")
+                      help="torch: per-gradient ready times from hooks; keras: fit steps on "
+                      "KERAS_BACKEND's backend (TensorFlow: all gradients ready at the end; "
+                      "PyTorch: per-gradient ready times from hooks; with --step-time-ms or "
+                      "--throughput: all at the end) (default: torch)")
     what.add_argument("--batch-size", type=int, default=32,
                       help="samples per micro-batch per rank (default: 32)")
     what.add_argument("--params", type=float,
@@ -98,7 +99,11 @@ def build_cluster(args):
             raise ValueError(f"--cluster custom needs {', '.join(missing)}")
         return clusters.custom(args.ranks_per_host, args.intra_gbps, args.inter_gbps,
                                args.latency_us)
-    kw = {"allreduce_json": args.allreduce_json} if args.cluster == "this-host" else {}
+    kw = {}
+    if args.cluster == "this-host":
+        kw = {"allreduce_json": args.allreduce_json, "binding": "torch"}
+        if args.framework == "keras":  # as hvdtrain train's --keras-backend default
+            kw["binding"] = os.environ.get("KERAS_BACKEND") or "tensorflow"
     c = clusters.cluster(args.cluster, **kw)
     changes = {}
     if args.ranks_per_host:

@@ -66,7 +66,12 @@ PRESETS: dict[str, Cluster] = {
 }
 
 # benchmarks/allreduce.py's series -> the Horovod cycle time it ran with, seconds.
-SERIES_CYCLE_S = {"horovod-mpi": 1e-3, "horovod-mpi-cycle0.1": 1e-4, "horovod-gloo": 1e-3}
+SERIES_CYCLE_S = {"horovod-mpi": 1e-3, "horovod-mpi-cycle0.1": 1e-4, "horovod-gloo": 1e-3,
+                  "horovod-tf-cycle0.1": 1e-4}
+# The series a job's binding runs: PyTorch's reduces in place; TensorFlow's (Keras on the
+# TensorFlow backend) out of place, an output allocated and written per tensor, which costs
+# more per byte here (42 MB of dense's gradients at np=2: 19-25 ms against 13-16 ms).
+BINDING_SERIES = {"torch": "horovod-mpi-cycle0.1", "tensorflow": "horovod-tf-cycle0.1"}
 ALLREDUCE_JSON = Path("benchmarks") / "results" / "allreduce.json"
 
 
@@ -79,10 +84,13 @@ def find_allreduce_json(path: str | os.PathLike | None = None) -> Path | None:
 
 
 def this_host(allreduce_json: str | os.PathLike | None = None,
-              impl: str = "horovod-mpi-cycle0.1",
-              cores: int | None = None) -> Cluster:
+              impl: str | None = None, cores: int | None = None,
+              binding: str = "torch") -> Cluster:
     """This machine as a :class:`Cluster` from ``benchmarks/allreduce.py``'s measured times of
-    ``impl`` (``seconds``: ``{bytes: s}`` at ``np`` ranks): interpolated per size
+    ``impl`` (``seconds``: ``{bytes: s}`` at ``np`` ranks; default: the series of Horovod's
+    ``binding``, ``"torch"`` or ``"tensorflow"`` (:data:`BINDING_SERIES`), where the file has
+    it, else PyTorch's, as ``allreduce.py`` measures TensorFlow's only when asked):
+    interpolated per size
     (``intra_table``), and ``t = alpha + bytes / B`` fitted (:func:`fit_alpha_beta`; alpha less
     the series' cycle time split over the ring's ``2 (N-1)`` steps and the negotiation's
     ``2 ceil(log2 N)`` as the per-step latency). A file with only the
@@ -91,7 +99,8 @@ def this_host(allreduce_json: str | os.PathLike | None = None,
     Raises:
         FileNotFoundError: no results file (run ``benchmarks/allreduce.py``, or give
             ``--intra-gbps`` and ``--latency-us``).
-        KeyError: the file has no fit for ``impl``.
+        ValueError: the file has no times or fit of ``impl`` (the message says what to
+            run).
     """
     found = find_allreduce_json(allreduce_json)
     if found is None:
@@ -99,6 +108,15 @@ def this_host(allreduce_json: str | os.PathLike | None = None,
             "this-host needs benchmarks/results/allreduce.json (run benchmarks/allreduce.py), "
             "or pass --cluster custom with --intra-gbps and --latency-us")
     data = json.loads(found.read_text())
+    def has(series: str) -> bool:
+        return series in data.get("seconds", {}) or series in data.get("alpha_beta", {})
+    if impl is None:
+        impl = BINDING_SERIES.get(binding, BINDING_SERIES["torch"])
+        if not has(impl):
+            impl = BINDING_SERIES["torch"]
+    if not has(impl):
+        raise ValueError(f"{found} has no all-reduce times of {impl}: run "
+                         "benchmarks/allreduce.py (--impls all for every series)")
     ranks = int(data.get("np", 2))
     table: tuple = ()
     if "seconds" in data and impl in data["seconds"]:

@@ -204,6 +204,27 @@ def test_this_host_from_allreduce_json(tmp_path):
         clusters.this_host(tmp_path / "missing.json")
 
 
+def test_this_host_uses_the_jobs_binding_where_measured(tmp_path):
+    # TensorFlow's binding (out of place) at 1 GB/s beside PyTorch's at 2 GB/s: Keras on
+    # TensorFlow gets its own series; without it in the file, PyTorch's.
+    sizes = (10 ** 6, 4 * 10 ** 6)
+    series = {"horovod-mpi-cycle0.1": {str(b): 3e-4 + b / 2e9 for b in sizes}}
+    path = tmp_path / "allreduce.json"
+    path.write_text(json.dumps({"np": 2, "seconds": series}))
+    assert clusters.this_host(path, binding="tensorflow").intra_busbw == pytest.approx(2e9)
+    series["horovod-tf-cycle0.1"] = {str(b): 3e-4 + b / 1e9 for b in sizes}
+    path.write_text(json.dumps({"np": 2, "seconds": series}))
+    tf = clusters.this_host(path, binding="tensorflow")
+    assert tf.intra_busbw == pytest.approx(1e9) and "horovod-tf-cycle0.1" in tf.source
+    assert allreduce_seconds(2 * 10 ** 6, 2, tf) == pytest.approx(3e-4 + 2e-3)
+    assert clusters.this_host(path, binding="torch").intra_busbw == pytest.approx(2e9)
+    # A file with TensorFlow's series only: PyTorch's plan says what to run, before any work.
+    path.write_text(json.dumps({"np": 2, "seconds": {"horovod-tf-cycle0.1": series[
+        "horovod-tf-cycle0.1"]}}))
+    with pytest.raises(ValueError, match=r"horovod-mpi-cycle0.1: run benchmarks/allreduce.py"):
+        clusters.this_host(path, binding="torch")
+
+
 def test_fit_alpha_beta_and_interpolate():
     alpha, bw = clusters.fit_alpha_beta({4096: 1e-4 + 4096 / 1e9, 2 ** 26: 1e-4 + 2 ** 26 / 1e9})
     assert (alpha, bw) == (pytest.approx(1e-4), pytest.approx(1e9))
