@@ -34,9 +34,10 @@ from hvdtrain.scaling.model import MiB, HorovodSettings, predict_step  # noqa: E
 sys.path.insert(0, str(HERE))
 from plan_published import (BERT_FIT_AT, DLE_BERT, DLE_RESNET50, K80, P100, PARAMS,  # noqa: E402
                             PUBLISHED_SOURCES, check_published)
+import vs_single  # noqa: E402
 
 RESULTS = HERE / "results"
-GLOBAL_BATCH = {"mnist": 64, "cnn": 64, "dense": 64, "gpt": 16}  # as benchmarks/vs_single.py
+GLOBAL_BATCH = vs_single.GLOBAL_BATCH  # the same global batches as the runs compared with
 # hvdtrain's CPU rank settings (hvdtrain.launch.tuning): 4 MiB fusion, thread woken on enqueue.
 CPU_SETTINGS = HorovodSettings(fusion_threshold=4 * MiB, cycle_time_s=1e-3, cycle_wake=True)
 
@@ -54,14 +55,14 @@ def check_allreduce(path: Path | None = None) -> list[dict]:
     torch_fit = replace(clusters.this_host(path), intra_table=())
     tf_series = clusters.BINDING_SERIES["tensorflow"]
     rows = []
-    for impl, cycle in (("horovod-mpi-cycle0.1", 1e-4), ("horovod-mpi", 1e-3), (tf_series, 1e-4)):
+    for impl in (clusters.BINDING_SERIES["torch"], "horovod-mpi", tf_series):
         if impl not in data["seconds"]:
             continue
         fitted = (replace(clusters.this_host(path, impl), intra_table=()) if impl == tf_series
                   else torch_fit)
         for size, seconds in data["seconds"][impl].items():
             buckets = schedule([(1e-9, int(size))], data["np"], fitted,
-                               HorovodSettings(cycle_time_s=cycle))
+                               HorovodSettings(cycle_time_s=clusters.SERIES_CYCLE_S[impl]))
             pred = buckets[-1].end_s
             rows.append({"file": path.name, "impl": impl, "bytes": int(size), "predicted_s": pred,
                          "measured_s": seconds, "ratio": pred / seconds})
@@ -78,12 +79,12 @@ def fresh_allreduce(path: Path, tensorflow: bool = True) -> Path:
     import common
     env = common.base_env(True)
     env["PYTHONPATH"] = f"{common.HERE}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    env["HOROVOD_CYCLE_TIME"] = "0.1"
     ns = argparse.Namespace(min_bytes=4096, max_bytes=64 << 20, iters=20, warmup=3)
     seconds = {}
     bindings = ("torch", "tensorflow") if tensorflow else ("torch",)
     for impl in (clusters.BINDING_SERIES[b] for b in bindings):
-        seconds[impl] = common.run_json(allreduce.launch_argv(impl, 2, ns), env)["seconds"]
+        impl_env = {**env, "HOROVOD_CYCLE_TIME": allreduce.CYCLE_TIME[impl]}
+        seconds[impl] = common.run_json(allreduce.launch_argv(impl, 2, ns), impl_env)["seconds"]
     path.write_text(json.dumps({"np": 2, "machine": common.machine(), "seconds": seconds}))
     return path
 
@@ -91,8 +92,6 @@ def fresh_allreduce(path: Path, tensorflow: bool = True) -> Path:
 def live_variants(path: str, model: str) -> dict[int, Callable[[], float]]:
     """``{np: run}`` for hvdtrain np=1 and np=2 run now by benchmarks/vs_single.py's own
     variants (each call one run, its samples/s; nothing written to results/)."""
-    sys.path.insert(0, str(HERE))
-    import vs_single
     ns = argparse.Namespace(jit_compile="false", warmup=5, batches=None, iters=3, np=2)
     variants = vs_single.variants(path, model, ns)
     return {1: variants[vs_single.NP1], 2: variants[vs_single.NP2]}
@@ -116,8 +115,7 @@ def check_here(repeats: int, path: str = "torch", live: int = 0,
     is round 1's, what a single prediction, as one ``hvdtrain plan`` makes, gives), compared
     with the median of the rounds' runs. ``cluster`` says which all-reduce series was used."""
     measured = json.loads((RESULTS / "vs_single.json").read_text())["results"]
-    c = clusters.this_host(allreduce_json,
-                           binding="tensorflow" if path == "keras-tf" else "torch")
+    c = clusters.this_host(allreduce_json, binding=vs_single.PATHS[path][1] or "torch")
     cores = c.ranks_per_host
     if path == "torch":
         alone = lambda m, b: measure.measure_torch(m, b, cores, repeats=repeats)  # noqa: E731
@@ -179,9 +177,8 @@ def check_here(repeats: int, path: str = "torch", live: int = 0,
 
 def check_here_keras(repeats: int, path: str, extra: list[str], live: int = 0) -> list[dict]:
     """:func:`check_here` for a Keras path in a child process (one Keras backend per process)."""
-    import os
     import subprocess
-    env = {**os.environ, "KERAS_BACKEND": {"keras-tf": "tensorflow", "keras-torch": "torch"}[path],
+    env = {**os.environ, "KERAS_BACKEND": vs_single.PATHS[path][1],
            "TF_CPP_MIN_LOG_LEVEL": "2"}
     proc = subprocess.run([sys.executable, __file__, "--here-path", path, "--repeats",
                            str(repeats), *extra], env=env, capture_output=True, text=True,

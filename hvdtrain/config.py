@@ -17,6 +17,12 @@ from hvdtrain.schedule import LR_SCALING_RULES, LR_SCHEDULES
 FRAMEWORKS = ("torch", "keras")
 # Keras 3 backends hvdtrain.keras runs on (KERAS_BACKEND); jax has no Horovod binding.
 KERAS_BACKENDS = ("tensorflow", "torch")
+
+
+def default_keras_backend() -> str:
+    """The Keras backend a job gets without ``--keras-backend``: ``$KERAS_BACKEND``, else Keras's
+    own default, ``tensorflow``."""
+    return os.environ.get("KERAS_BACKEND") or "tensorflow"
 DATASETS = ("digits", "mnist", "synthetic")
 COMPRESSIONS = ("none", "fp16")
 OPS = ("average", "adasum")
@@ -228,7 +234,7 @@ class TrainConfig:
         if isinstance(self.resume, bool):
             self.resume = "yes" if self.resume else ""
         if self.framework == "keras" and not self.keras_backend:
-            self.keras_backend = os.environ.get("KERAS_BACKEND") or "tensorflow"
+            self.keras_backend = default_keras_backend()
             if self.keras_backend not in KERAS_BACKENDS:
                 raise ConfigError(f"KERAS_BACKEND={self.keras_backend} is not one hvdtrain "
                                   f"runs on: use {' or '.join(KERAS_BACKENDS)} (or "

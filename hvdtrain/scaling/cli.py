@@ -102,8 +102,9 @@ def build_cluster(args):
     kw = {}
     if args.cluster == "this-host":
         kw = {"allreduce_json": args.allreduce_json, "binding": "torch"}
-        if args.framework == "keras":  # as hvdtrain train's --keras-backend default
-            kw["binding"] = os.environ.get("KERAS_BACKEND") or "tensorflow"
+        if args.framework == "keras":
+            from hvdtrain.config import default_keras_backend
+            kw["binding"] = default_keras_backend()
     c = clusters.cluster(args.cluster, **kw)
     changes = {}
     if args.ranks_per_host:
