@@ -9,8 +9,13 @@ Run::
 
     .venv/bin/python benchmarks/allreduce.py [--min-bytes 4096] [--max-bytes 67108864] [--readme]
 
-One job per implementation measures every size (median of ``--iters`` timed calls after
-``--warmup``) and rank 0 writes the timings as JSON; this driver tabulates, fits and plots.
+Each implementation runs as ``--repeats`` jobs; each job sweeps every size ``--rounds`` times
+(``--iters`` timed calls per size and round, after ``--warmup``), and rank 0 writes every timing
+as JSON. A size's time is the median of all its calls (all rounds, all jobs): on a shared host
+the all-reduce's speed moves with the machine's state over seconds, so one short median is not
+reproducible (4 KiB through Horovod here: 0.17 or 0.34 ms from one job to the next with a
+0.1 ms cycle). The spread between the jobs' own medians is kept (``spread``) and tabulated.
+This driver tabulates, fits and plots.
 """
 from __future__ import annotations
 
@@ -22,15 +27,23 @@ import time
 
 import numpy as np
 
-IMPLS = ("horovod-mpi", "horovod-mpi-cycle0.1", "horovod-gloo", "mpi4py", "torch-gloo", "ring")
+IMPLS = ("horovod-mpi", "horovod-mpi-cycle0.1", "horovod-mpi-wake", "horovod-gloo", "mpi4py",
+         "torch-gloo", "ring")
 # Not run unless named in --impls (or --impls all): Horovod's TensorFlow binding (hvd.allreduce
-# out of place, as hvdtrain.keras's grouped all-reduce on the TensorFlow backend, which averages
-# where this sums), which `hvdtrain plan` uses for Keras on TensorFlow when the file has it; the
-# torch binding reduces in place.
+# out of place, as hvdtrain.keras's grouped all-reduce on the TensorFlow backend), which
+# `hvdtrain plan` uses for Keras on TensorFlow when the file has it; the torch binding reduces
+# in place. Both Horovod bindings average (op=hvd.Average: a sum, then a pass that scales the
+# result by 1/size), as hvdtrain's optimizers do.
 EXTRA_IMPLS = ("horovod-tf-cycle0.1",)
-# Horovod's background thread batches requests every HOROVOD_CYCLE_TIME ms; the cycle0.1 variant
-# sets it to 0.1 ms (hvdtrain launch --cycle-time-ms 0.1) to show what that latency costs.
-CYCLE_TIME = {"horovod-mpi-cycle0.1": "0.1", "horovod-tf-cycle0.1": "0.1"}
+# Horovod's background thread batches requests every HOROVOD_CYCLE_TIME ms (default 1). The
+# cycle0.1 series sets 0.1 ms (hvdtrain launch --cycle-time-ms 0.1); `hvdtrain plan` uses its
+# times for this host (hvdtrain.scaling.clusters.BINDING_SERIES says why). The wake series has
+# the thread woken when a tensor is enqueued, as hvdtrain's CPU ranks do
+# (hvdtrain.launch.tuning.CPU_RANK_SETTINGS; hvdtrain's Horovod patch 08: skipped, with a note,
+# on a Horovod without it). Each job also gets Open MPI's yield-when-idle (common.base_env).
+SERIES_ENV = {"horovod-mpi-cycle0.1": {"HOROVOD_CYCLE_TIME": "0.1"},
+              "horovod-tf-cycle0.1": {"HOROVOD_CYCLE_TIME": "0.1"},
+              "horovod-mpi-wake": {"HOROVOD_CYCLE_WAKE": "1"}}
 
 
 def sizes(lo: int, hi: int) -> list[int]:
@@ -45,8 +58,20 @@ def iters_for(nbytes: int, iters: int) -> int:
     return max(3, min(iters, int(iters * (1 << 20) / max(nbytes, 1)) or 3))
 
 
-def worker(impl: str, byte_sizes: list[int], iters: int, warmup: int, json_out: str) -> None:
-    """Time one implementation for every size; rank 0 writes ``{size: seconds}`` to json_out."""
+def worker(impl: str, byte_sizes: list[int], iters: int, warmup: int, json_out: str,
+           rounds: int = 1) -> None:
+    """Time one implementation: ``rounds`` sweeps over every size, each ``iters_for`` timed calls
+    (seconds, from a barrier); rank 0 writes ``{"calls": {size: [seconds, ...]}}`` to json_out.
+
+    Raises:
+        RuntimeError: a wake series on a Horovod without hvdtrain's patch 08 (it would measure
+            a plain 1 ms cycle under the wake series' name).
+    """
+    if os.environ.get("HOROVOD_CYCLE_WAKE") == "1":
+        from hvdtrain.launch.tuning import horovod_can_wake
+        if not horovod_can_wake():
+            raise RuntimeError(f"{impl}: this Horovod cannot wake its thread on enqueue "
+                               "(hvdtrain's patch 08); install hvdtrain's Horovod (make setup)")
     if impl.startswith("horovod-tf"):
         import horovod.tensorflow as hvd
         import tensorflow as tf
@@ -57,7 +82,7 @@ def worker(impl: str, byte_sizes: list[int], iters: int, warmup: int, json_out: 
             return tf.ones([n // 4], dtype=tf.float32)
 
         def op(t, i):
-            return hvd.allreduce(t, op=hvd.Sum, name=f"bench.{t.shape[0]}")
+            return hvd.allreduce(t, op=hvd.Average, name=f"bench.{t.shape[0]}")
 
         def barrier():
             hvd.allreduce(tf.zeros([1]), name="bench.barrier")
@@ -71,7 +96,7 @@ def worker(impl: str, byte_sizes: list[int], iters: int, warmup: int, json_out: 
             return torch.ones(n // 4, dtype=torch.float32)
 
         def op(t, i):
-            hvd.allreduce_(t, op=hvd.Sum, name=f"bench.{t.numel()}")
+            hvd.allreduce_(t, op=hvd.Average, name=f"bench.{t.numel()}")
 
         def barrier():
             hvd.allreduce(torch.zeros(1), name="bench.barrier")
@@ -111,21 +136,21 @@ def worker(impl: str, byte_sizes: list[int], iters: int, warmup: int, json_out: 
 
         def barrier():
             comm.Barrier()
-    result = {}
-    for nbytes in byte_sizes:
-        t = make(nbytes)
-        for i in range(warmup):
-            op(t, i)
-        times = []
-        for i in range(iters_for(nbytes, iters)):
-            barrier()
-            start = time.perf_counter()
-            op(t, i)
-            times.append(time.perf_counter() - start)
-        result[nbytes] = float(np.median(times))
+    calls: dict[int, list[float]] = {n: [] for n in byte_sizes}
+    tensors = {n: make(n) for n in byte_sizes}
+    for _ in range(rounds):
+        for nbytes in byte_sizes:
+            t = tensors[nbytes]
+            for i in range(warmup):
+                op(t, i)
+            for i in range(iters_for(nbytes, iters)):
+                barrier()
+                start = time.perf_counter()
+                op(t, i)
+                calls[nbytes].append(time.perf_counter() - start)
     if rank == 0:
         with open(json_out, "w") as f:
-            json.dump({"impl": impl, "size": size, "seconds": result}, f)
+            json.dump({"impl": impl, "size": size, "calls": calls}, f)
     if impl == "torch-gloo":
         import torch.distributed as dist
         dist.barrier()
@@ -136,7 +161,7 @@ def launch_argv(impl: str, np_: int, args) -> list[str]:
     import common
     me = [sys.executable, os.path.abspath(__file__), "--worker", impl, "--min-bytes",
           str(args.min_bytes), "--max-bytes", str(args.max_bytes), "--iters", str(args.iters),
-          "--warmup", str(args.warmup)]
+          "--warmup", str(args.warmup), "--rounds", str(args.rounds)]
     if impl.startswith(("horovod-mpi", "horovod-tf")):
         return common.horovodrun(np_, me)
     if impl == "horovod-gloo":
@@ -146,12 +171,38 @@ def launch_argv(impl: str, np_: int, args) -> list[str]:
     return ["mpirun", "--allow-run-as-root", "-np", str(np_), "-bind-to", "none", *me]
 
 
-def fit_alpha_beta(byte_sizes, seconds, n: int) -> tuple[float, float]:
-    """Least-squares fit of T = 2(N-1) alpha + 2(N-1)/N x S / B; returns (alpha s, B bytes/s)."""
-    slope, intercept = np.polyfit(np.array(byte_sizes, float), np.array(seconds, float), 1)
-    alpha = max(intercept, 0.0) / (2 * (n - 1))
-    bandwidth = 2 * (n - 1) / n / slope if slope > 0 else float("inf")
-    return float(alpha), float(bandwidth)
+def fit_alpha_beta(byte_sizes, seconds, n: int) -> tuple[float, float] | None:
+    """The ring model's T = 2(N-1) alpha + 2(N-1)/N x S / B fitted as ``hvdtrain plan`` fits it
+    (:func:`hvdtrain.scaling.clusters.fit_alpha_beta`, least squares on the relative error);
+    returns (alpha s per ring step, B bytes/s of bus bandwidth), or None where there is one size
+    only or the times do not grow with the size (a range of small messages only)."""
+    from hvdtrain.scaling.clusters import fit_alpha_beta as fit
+    try:
+        intercept, per_byte_bw = fit(dict(zip(byte_sizes, seconds)))
+    except ValueError:
+        return None
+    return intercept / (2 * (n - 1)), 2 * (n - 1) / n * per_byte_bw
+
+
+def measure(impl: str, n: int, args, env: dict) -> dict:
+    """``args.repeats`` jobs of one implementation at ``n`` ranks; returns ``{"seconds": {size:
+    median of every call}, "spread": {size: [min, max] of the jobs' medians}, "calls": {size:
+    number of calls}}`` (seconds; sizes in bytes).
+
+    Raises:
+        RuntimeError: a job failed (:func:`common.run_json`; the message holds its output)."""
+    import common
+    impl_env = {**env, **SERIES_ENV.get(impl, {})}
+    calls: dict[int, list[float]] = {}
+    job_medians: dict[int, list[float]] = {}
+    for _ in range(args.repeats):
+        out = common.run_json(launch_argv(impl, n, args), impl_env)
+        for size, values in out["calls"].items():
+            calls.setdefault(int(size), []).extend(values)
+            job_medians.setdefault(int(size), []).append(float(np.median(values)))
+    return {"seconds": {s: float(np.median(v)) for s, v in sorted(calls.items())},
+            "spread": {s: [min(v), max(v)] for s, v in sorted(job_medians.items())},
+            "calls": {s: len(v) for s, v in sorted(calls.items())}}
 
 
 def main(argv=None) -> dict:
@@ -164,27 +215,39 @@ def main(argv=None) -> dict:
     p.add_argument("--np", type=int, default=2)
     p.add_argument("--min-bytes", type=int, default=4096)
     p.add_argument("--max-bytes", type=int, default=64 << 20)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=20,
+                   help="timed calls per size and round (fewer above 1 MiB; default: 20)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed calls before each size's timed ones (default: 3)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="sweeps over every size in one job (default: 5)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="jobs per implementation, their calls pooled (default: 3)")
     p.add_argument("--readme", action="store_true")
     p.add_argument("--json-out", help="worker: rank 0 writes its timings here")
     args = p.parse_args(argv)
     byte_sizes = sizes(args.min_bytes, args.max_bytes)
+    if min(args.iters, args.rounds, args.repeats) < 1 or args.warmup < 0:
+        p.error("--iters, --rounds and --repeats must be >= 1, --warmup >= 0")
     if args.worker:
-        worker(args.worker, byte_sizes, args.iters, args.warmup, args.json_out)
+        worker(args.worker, byte_sizes, args.iters, args.warmup, args.json_out, args.rounds)
         return {}
     import common
     env = common.base_env(True)
     env["PYTHONPATH"] = f"{common.HERE}{os.pathsep}{env.get('PYTHONPATH', '')}"
     n = args.np
-    results = {}
-    impls = IMPLS + EXTRA_IMPLS if args.impls == "all" else args.impls.split(",")
-    for impl in impls:
-        impl_env = dict(env)
-        if impl in CYCLE_TIME:
-            impl_env["HOROVOD_CYCLE_TIME"] = CYCLE_TIME[impl]
-        out = common.run_json(launch_argv(impl, n, args), impl_env)
-        results[impl] = {int(k): v for k, v in out["seconds"].items()}
+    impls = list(IMPLS + EXTRA_IMPLS) if args.impls == "all" else args.impls.split(",")
+    unknown = sorted(set(impls) - set(IMPLS + EXTRA_IMPLS))
+    if unknown:
+        p.error(f"unknown --impls {','.join(unknown)}; choose from "
+                f"{','.join(IMPLS + EXTRA_IMPLS)} or all")
+    from hvdtrain.launch.tuning import horovod_can_wake
+    if "horovod-mpi-wake" in impls and not horovod_can_wake():
+        impls.remove("horovod-mpi-wake")
+        print("skipped horovod-mpi-wake: this Horovod cannot wake its thread on enqueue "
+              "(hvdtrain's patch 08; make setup installs hvdtrain's Horovod)")
+    measured = {impl: measure(impl, n, args, env) for impl in impls}
+    results = {impl: m["seconds"] for impl, m in measured.items()}
     factor = 2 * (n - 1) / n
     headers = ["size"] + [f"{i} busbw GB/s" for i in results]
     rows = []
@@ -202,17 +265,31 @@ def main(argv=None) -> dict:
                                                          for v in variants])
     text = common.table(headers, rows)
     text += "\n\n" + common.table(["implementation", "alpha (us)", "B (GB/s)"],
-                                  [[i, a * 1e6, b / 1e9] for i, (a, b) in fits.items()])
+                                  [[i, f[0] * 1e6, f[1] / 1e9] if f else [i, "-", "-"]
+                                   for i, f in fits.items()])
     if ratio_rows:
         text += "\n\n" + common.table(["size"] + [f"busbw {v} / raw MPI_Allreduce"
                                                 for v in variants], ratio_rows)
+    horovods = [i for i in results if i.startswith("horovod")]
+    if horovods:
+        def spread(i, s):
+            lo, hi = measured[i]["spread"][s]
+            return f"{results[i][s] * 1e3:.3g} ({lo * 1e3:.3g}-{hi * 1e3:.3g})"
+        text += "\n\n" + common.table(
+            ["size"] + [f"{i} ms (jobs' medians)" for i in horovods],
+            [[f"{s // 1024} KiB" if s < (1 << 20) else f"{s >> 20} MiB"]
+             + [spread(i, s) for i in horovods] for s in byte_sizes])
     print(text)
     payload = {"args": vars(args), "np": n,
                "seconds": {i: {str(k): v for k, v in r.items()} for i, r in results.items()},
+               "spread": {i: {str(k): v for k, v in m["spread"].items()}
+                          for i, m in measured.items()},
+               "calls": {i: {str(k): v for k, v in m["calls"].items()}
+                         for i, m in measured.items()},
                "busbw_bytes_per_s": {i: {str(s): factor * s / r[s] for s in byte_sizes}
                                      for i, r in results.items()},
-               "alpha_beta": {i: {"alpha_s": a, "bandwidth_bytes_per_s": b}
-                              for i, (a, b) in fits.items()}}
+               "alpha_beta": {i: {"alpha_s": f[0], "bandwidth_bytes_per_s": f[1]}
+                              for i, f in fits.items() if f}}
     path = common.save("allreduce", payload)
     png = common.RESULTS / "allreduce.png"
 

@@ -11,10 +11,11 @@ measure with ``benchmarks/allreduce.py`` for yours.
 
 ``this-host`` is this machine, from the all-reduce times ``benchmarks/allreduce.py`` measured
 (its committed ``benchmarks/results/allreduce.json``, Horovod over MPI at np=2 with a 0.1 ms
-cycle, the closest to hvdtrain's CPU settings): all-reduce times interpolated from the measured
-sizes (a CPU host's bandwidth depends on the size: 3.4 GB/s at 4-16 MiB, 2.1 at 64 MiB), with
-``t = alpha + bytes / B`` fitted for the latency; ranks per host = its cores; no overlap (CPU
-ranks compute and communicate on the same cores).
+cycle, :data:`BINDING_SERIES` says why): all-reduce times interpolated from the measured
+sizes, since a CPU host's bus bandwidth depends on the size (here about 0.01-0.02 GB/s at 4 KiB
+where the latency dominates, 4-7 GB/s at 4 MiB while the buffers fit the caches, 1.6-2 GB/s at
+64 MiB from memory), with ``t = alpha + bytes / B`` fitted for the latency; ranks per host =
+its cores; no overlap (CPU ranks compute and communicate on the same cores).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import math
 import os
 from pathlib import Path
 
-from hvdtrain.scaling.model import Cluster
+from hvdtrain.scaling.model import Cluster, HorovodSettings
 
 GB = 1e9
 NET_EFFICIENCY = 0.9  # achievable fraction of a network's line rate (see the module docstring)
@@ -65,13 +66,32 @@ PRESETS: dict[str, Cluster] = {
         "GPU)"),
 }
 
-# benchmarks/allreduce.py's series -> the Horovod cycle time it ran with, seconds.
-SERIES_CYCLE_S = {"horovod-mpi": 1e-3, "horovod-mpi-cycle0.1": 1e-4, "horovod-gloo": 1e-3,
-                  "horovod-tf-cycle0.1": 1e-4}
-# The series a job's binding runs: PyTorch's reduces in place; TensorFlow's (Keras on the
-# TensorFlow backend) out of place, an output allocated and written per tensor, which costs
-# more per byte here (42 MB of dense's gradients at np=2: 19-25 ms against 13-16 ms).
+# benchmarks/allreduce.py's Horovod series -> the settings it ran with (its SERIES_ENV): Horovod's
+# 1 ms default cycle, a 0.1 ms cycle, or hvdtrain's CPU rank settings (the background thread
+# woken when a tensor is enqueued; hvdtrain.launch.tuning.CPU_RANK_SETTINGS).
+SERIES_SETTINGS = {"horovod-mpi": HorovodSettings(cycle_time_s=1e-3),
+                   "horovod-mpi-cycle0.1": HorovodSettings(cycle_time_s=1e-4),
+                   "horovod-tf-cycle0.1": HorovodSettings(cycle_time_s=1e-4),
+                   "horovod-gloo": HorovodSettings(cycle_time_s=1e-3),
+                   "horovod-mpi-wake": HorovodSettings(cycle_time_s=1e-3, cycle_wake=True)}
+# The series whose times plan a job's binding on this host. CPU ranks run hvdtrain's settings
+# (wake on enqueue), but a lone call on idle cores (horovod-mpi-wake: 0.06 ms at 4 KiB) is not
+# what a cycle costs inside a training step, whose thread wakes on cores that compute: planned
+# with those times, the MNIST CNN at np=2 came out 27-40 % fast in three rounds. The 0.1 ms
+# cycle's lone calls (0.17-0.35 ms at 4 KiB) stand in for that cost. PyTorch's binding reduces
+# in place; TensorFlow's (Keras on the TensorFlow backend) out of place, an output allocated and
+# written per tensor, which has cost more here (dense's 42 MB of gradients grouped at np=2:
+# 19-25 ms against 13-16 ms), so each is planned with its own.
 BINDING_SERIES = {"torch": "horovod-mpi-cycle0.1", "tensorflow": "horovod-tf-cycle0.1"}
+
+
+def series_cycle_wait_s(impl: str) -> float:
+    """The wait for Horovod's next cycle that a lone call of series ``impl`` pays, seconds: the
+    cycle time, or 0 where the thread wakes on enqueue (or the series is not Horovod's)."""
+    settings = SERIES_SETTINGS.get(impl)
+    return 0.0 if settings is None or settings.cycle_wake else settings.cycle_time_s
+
+
 ALLREDUCE_JSON = Path("benchmarks") / "results" / "allreduce.json"
 
 
@@ -92,8 +112,9 @@ def this_host(allreduce_json: str | os.PathLike | None = None,
     it, else PyTorch's, as ``allreduce.py`` measures TensorFlow's only when asked):
     interpolated per size
     (``intra_table``), and ``t = alpha + bytes / B`` fitted (:func:`fit_alpha_beta`; alpha less
-    the series' cycle time split over the ring's ``2 (N-1)`` steps and the negotiation's
-    ``2 ceil(log2 N)`` as the per-step latency). A file with only the
+    the series' wait for a cycle (:func:`series_cycle_wait_s`) split over the ring's
+    ``2 (N-1)`` steps and the negotiation's ``2 ceil(log2 N)`` as the per-step latency). A file
+    with only the
     ``alpha_beta`` summary gives that fit and no table.
 
     Raises:
@@ -130,7 +151,7 @@ def this_host(allreduce_json: str | os.PathLike | None = None,
     # The fitted alpha holds the wait for Horovod's next cycle (the series' cycle time, which
     # the model adds itself), the negotiation (2 ceil(log2 N) latencies) and the ring's
     # 2 (N-1) steps: the per-step latency is what is left, shared out.
-    cycle_s = SERIES_CYCLE_S.get(impl, 0.0)
+    cycle_s = series_cycle_wait_s(impl)
     steps = 2 * (ranks - 1) + 2 * math.ceil(math.log2(ranks))
     latency = max(0.0, alpha - cycle_s) / steps
     machine = data.get("machine", {})

@@ -62,14 +62,35 @@ def test_scaling_tiny(tmp_path):
 
 def test_allreduce_tiny(tmp_path):
     data, out = bench(tmp_path, "allreduce.py", "--min-bytes", "4096", "--max-bytes", "16384",
-                      "--iters", "3", "--warmup", "1")
+                      "--iters", "3", "--warmup", "1", "--rounds", "1", "--repeats", "1")
+    from hvdtrain.launch.tuning import horovod_can_wake
+    wake = {"horovod-mpi-wake"} if horovod_can_wake() else set()  # skipped, with a note
     assert set(data["seconds"]) == {"horovod-mpi", "horovod-mpi-cycle0.1", "horovod-gloo",
-                                    "mpi4py", "torch-gloo", "ring"}
+                                    "mpi4py", "torch-gloo", "ring"} | wake
     for impl, per_size in data["busbw_bytes_per_s"].items():
         for size, busbw in per_size.items():
             t = data["seconds"][impl][size]
             assert busbw == pytest.approx(2 * (2 - 1) / 2 * int(size) / t)
-    assert "alpha (us)" in out
+            assert data["spread"][impl][size] == [t, t]  # one job: its median is the median
+    assert "alpha (us)" in out and "(jobs' medians)" in out
+
+
+def test_allreduce_pools_every_call_of_every_job(tmp_path):
+    # Two jobs of two sweeps of 3 calls: each size's time is the median of all 12 calls, which
+    # lies between the two jobs' own medians (kept as the spread).
+    impls = ("horovod-mpi-cycle0.1", "horovod-tf-cycle0.1")
+    data, _ = bench(tmp_path, "allreduce.py", "--impls", ",".join(impls), "--min-bytes", "4096",
+                    "--max-bytes", "16384", "--iters", "3", "--warmup", "1", "--rounds", "2",
+                    "--repeats", "2")
+    assert set(data["seconds"]) == set(impls)
+    for impl in impls:
+        assert data["calls"][impl] == {"4096": 12, "16384": 12}
+        for size, t in data["seconds"][impl].items():
+            lo, hi = data["spread"][impl][size]
+            assert 0 < lo <= t <= hi
+    proc = subprocess.run([sys.executable, str(BENCH / "allreduce.py"), "--impls", "nccl"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unknown --impls nccl" in proc.stderr
 
 
 def test_accumulation_tiny_counts_a_quarter_of_the_allreduces(tmp_path):

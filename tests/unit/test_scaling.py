@@ -1,5 +1,6 @@
 """hvdtrain.scaling: the cost model's pieces against hand-computed cases, and `hvdtrain plan` on
 a tiny model."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -8,8 +9,8 @@ import pytest
 
 from hvdtrain.scaling import clusters, measure
 from hvdtrain.scaling.model import (MiB, Cluster, ComputeProfile, Gradient, HorovodSettings,
-                                    allreduce_seconds, efficiency, fuse, predict_step,
-                                    ring_allreduce_seconds, schedule)
+                                    allreduce_seconds, efficiency, fuse, negotiation_seconds,
+                                    predict_step, ring_allreduce_seconds, schedule)
 from hvdtrain.scaling.plan import plan, ranks_list
 
 GB = 1e9
@@ -187,21 +188,49 @@ def test_profile_from_step_time_segments():
 
 
 def test_this_host_from_allreduce_json(tmp_path):
-    # Times on the line t = 0.3 ms + bytes / 2 GB/s, measured with a 0.1 ms cycle at np=2.
+    # Times on the line t = 0.3 ms + bytes / 2 GB/s at np=2, measured with hvdtrain's CPU
+    # settings (the thread woken on enqueue: no wait for a cycle) and with a 0.1 ms cycle.
     sizes = (10 ** 6, 4 * 10 ** 6, 16 * 10 ** 6)
+    line = {str(b): 3e-4 + b / 2e9 for b in sizes}
     path = tmp_path / "allreduce.json"
     path.write_text(json.dumps({"np": 2, "machine": {"cpu": "x", "cores": 2}, "seconds": {
-        "horovod-mpi-cycle0.1": {str(b): 3e-4 + b / 2e9 for b in sizes}}}))
+        "horovod-mpi-wake": line, "horovod-mpi-cycle0.1": line}}))
     c = clusters.this_host(path, cores=2)
-    assert (c.ranks_per_host, c.overlap) == (2, False)
+    assert (c.ranks_per_host, c.overlap) == (2, False) and "horovod-mpi-cycle0.1" in c.source
     assert c.intra_busbw == pytest.approx(2e9)
-    # alpha less the 0.1 ms cycle, over 2 ring steps + 2 negotiation steps.
+    # alpha less the series' wait for a cycle, over 2 ring steps + 2 negotiation steps.
     assert c.intra_latency_s == pytest.approx((3e-4 - 1e-4) / 4)
+    assert clusters.this_host(path, "horovod-mpi-wake").intra_latency_s == pytest.approx(
+        3e-4 / 4)
     # One-host all-reduces come from the measured table: between points, and beyond the last.
     assert allreduce_seconds(2 * 10 ** 6, 2, c) == pytest.approx(3e-4 + 1e-3)
     assert allreduce_seconds(32 * 10 ** 6, 2, c) == pytest.approx(3e-4 + 16e-3)
     with pytest.raises(FileNotFoundError, match="allreduce.py"):
         clusters.this_host(tmp_path / "missing.json")
+
+
+def test_a_measured_table_holds_the_negotiation(tmp_path):
+    # Each measured time is a whole lone call (negotiation included): a tensor of a measured
+    # size costs exactly its time, not its time plus a negotiation; the fitted ring formula
+    # (no table) adds the negotiation's 2 ceil(log2 N) latencies.
+    sizes = (10 ** 6, 4 * 10 ** 6)
+    path = tmp_path / "allreduce.json"
+    path.write_text(json.dumps({"np": 2, "seconds": {
+        "horovod-mpi-wake": {str(b): 3e-4 + b / 2e9 for b in sizes}}}))
+    table = clusters.this_host(path, "horovod-mpi-wake", cores=2)
+    wake = clusters.SERIES_SETTINGS["horovod-mpi-wake"]
+    assert wake.cycle_wake and clusters.series_cycle_wait_s("horovod-mpi-wake") == 0
+    assert negotiation_seconds(2, table) == 0
+    end = schedule([(0.0, 10 ** 6)], 2, table, wake)[-1].end_s
+    assert end == pytest.approx(3e-4 + 10 ** 6 / 2e9)
+    fitted = dataclasses.replace(table, intra_table=())
+    assert negotiation_seconds(2, fitted) == pytest.approx(2 * 3e-4 / 4)
+    end = schedule([(0.0, 10 ** 6)], 2, fitted, wake)[-1].end_s
+    assert end == pytest.approx(2 * 3e-4 / 4 + 2 * 3e-4 / 4 + 10 ** 6 / 2e9)
+    # A 1 ms cycle without wake: the lone call first waits for the next tick.
+    cycle = clusters.SERIES_SETTINGS["horovod-mpi"]
+    assert schedule([(1e-9, 10 ** 6)], 2, table, cycle)[-1].end_s == pytest.approx(
+        1e-3 + 3e-4 + 10 ** 6 / 2e9)
 
 
 def test_this_host_uses_the_jobs_binding_where_measured(tmp_path):
