@@ -210,13 +210,10 @@ def interpolate(table: tuple[tuple[int, float], ...], x: float) -> float:
 def negotiation_seconds(ranks: int, cluster: Cluster) -> float:
     """Horovod's per-cycle coordination: ranks agree on which tensors are ready (a small
     all-reduce of a bit vector with the response cache on: ``2 ceil(log2 N)`` latencies,
-    recursive doubling). 0 for one rank, and 0 on one host with a measured ``intra_table``:
-    each of its times is a whole lone call (the wake or cycle, the negotiation and the
-    all-reduce), so the negotiation is already in the bucket's time."""
-    if ranks <= 1:
-        return 0.0
-    hosts, _ = layout(ranks, cluster.ranks_per_host)
-    if hosts == 1 and cluster.intra_table:
+    recursive doubling). 0 for one rank, and on one host with a measured ``intra_table`` (its
+    times are whole lone calls, the negotiation included)."""
+    hosts = layout(ranks, cluster.ranks_per_host)[0] if ranks > 1 else 0
+    if ranks <= 1 or (hosts == 1 and cluster.intra_table):
         return 0.0
     latency = cluster.inter_latency_s if hosts > 1 else cluster.intra_latency_s
     return 2 * math.ceil(math.log2(ranks)) * latency
