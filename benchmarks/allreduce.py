@@ -35,15 +35,29 @@ IMPLS = ("horovod-mpi", "horovod-mpi-cycle0.1", "horovod-mpi-wake", "horovod-glo
 # in place. Both Horovod bindings average (op=hvd.Average: a sum, then a pass that scales the
 # result by 1/size), as hvdtrain's optimizers do.
 EXTRA_IMPLS = ("horovod-tf-cycle0.1",)
-# Horovod's background thread batches requests every HOROVOD_CYCLE_TIME ms (default 1). The
-# cycle0.1 series sets 0.1 ms (hvdtrain launch --cycle-time-ms 0.1); `hvdtrain plan` uses its
-# times for this host (hvdtrain.scaling.clusters.BINDING_SERIES says why). The wake series has
-# the thread woken when a tensor is enqueued, as hvdtrain's CPU ranks do
-# (hvdtrain.launch.tuning.CPU_RANK_SETTINGS; hvdtrain's Horovod patch 08: skipped, with a note,
-# on a Horovod without it). Each job also gets Open MPI's yield-when-idle (common.base_env).
-SERIES_ENV = {"horovod-mpi-cycle0.1": {"HOROVOD_CYCLE_TIME": "0.1"},
-              "horovod-tf-cycle0.1": {"HOROVOD_CYCLE_TIME": "0.1"},
-              "horovod-mpi-wake": {"HOROVOD_CYCLE_WAKE": "1"}}
+# Each Horovod series runs with the settings hvdtrain.scaling.clusters.SERIES_SETTINGS gives it
+# (series_env): Horovod's 1 ms cycle, a 0.1 ms cycle (hvdtrain launch --cycle-time-ms 0.1;
+# `hvdtrain plan` uses those times for this host, clusters.BINDING_SERIES says why), or the
+# thread woken when a tensor is enqueued, as hvdtrain's CPU ranks do (hvdtrain's Horovod patch
+# 08: the wake series is skipped, with a note, on a Horovod without it). Each job also gets
+# Open MPI's yield-when-idle (common.base_env).
+
+
+def series_env(impl: str) -> dict[str, str]:
+    """The ``HOROVOD_*`` variables of series ``impl`` (none for a series not Horovod's)."""
+    from hvdtrain.scaling.clusters import SERIES_SETTINGS
+    settings = SERIES_SETTINGS.get(impl)
+    if settings is None:
+        return {}
+    env = {"HOROVOD_CYCLE_TIME": f"{settings.cycle_time_s * 1e3:g}"}
+    if settings.cycle_wake:
+        env["HOROVOD_CYCLE_WAKE"] = "1"
+    return env
+
+
+def label(nbytes: int) -> str:
+    """``"4 KiB"``, ``"64 MiB"``."""
+    return f"{nbytes // 1024} KiB" if nbytes < (1 << 20) else f"{nbytes >> 20} MiB"
 
 
 def sizes(lo: int, hi: int) -> list[int]:
@@ -62,16 +76,7 @@ def worker(impl: str, byte_sizes: list[int], iters: int, warmup: int, json_out: 
            rounds: int = 1) -> None:
     """Time one implementation: ``rounds`` sweeps over every size, each ``iters_for`` timed calls
     (seconds, from a barrier); rank 0 writes ``{"calls": {size: [seconds, ...]}}`` to json_out.
-
-    Raises:
-        RuntimeError: a wake series on a Horovod without hvdtrain's patch 08 (it would measure
-            a plain 1 ms cycle under the wake series' name).
     """
-    if os.environ.get("HOROVOD_CYCLE_WAKE") == "1":
-        from hvdtrain.launch.tuning import horovod_can_wake
-        if not horovod_can_wake():
-            raise RuntimeError(f"{impl}: this Horovod cannot wake its thread on enqueue "
-                               "(hvdtrain's patch 08); install hvdtrain's Horovod (make setup)")
     if impl.startswith("horovod-tf"):
         import horovod.tensorflow as hvd
         import tensorflow as tf
@@ -190,9 +195,17 @@ def measure(impl: str, n: int, args, env: dict) -> dict:
     number of calls}}`` (seconds; sizes in bytes).
 
     Raises:
-        RuntimeError: a job failed (:func:`common.run_json`; the message holds its output)."""
+        RuntimeError: a job failed (:func:`common.run_json`; the message holds its output), or
+            a wake series on a Horovod without hvdtrain's patch 08 (it would measure a plain
+            1 ms cycle under the wake series' name).
+    """
     import common
-    impl_env = {**env, **SERIES_ENV.get(impl, {})}
+    impl_env = {**env, **series_env(impl)}
+    if impl_env.get("HOROVOD_CYCLE_WAKE") == "1":
+        from hvdtrain.launch.tuning import horovod_can_wake
+        if not horovod_can_wake():
+            raise RuntimeError(f"{impl}: this Horovod cannot wake its thread on enqueue "
+                               "(hvdtrain's patch 08); install hvdtrain's Horovod (make setup)")
     calls: dict[int, list[float]] = {}
     job_medians: dict[int, list[float]] = {}
     for _ in range(args.repeats):
@@ -203,6 +216,13 @@ def measure(impl: str, n: int, args, env: dict) -> dict:
     return {"seconds": {s: float(np.median(v)) for s, v in sorted(calls.items())},
             "spread": {s: [min(v), max(v)] for s, v in sorted(job_medians.items())},
             "calls": {s: len(v) for s, v in sorted(calls.items())}}
+
+
+def as_json(measured: dict[str, dict]) -> dict:
+    """``{impl: measure(...)}`` in allreduce.json's layout: ``{"seconds": {impl: {"bytes":
+    s}}, "spread": ..., "calls": ...}`` (sizes as strings, as JSON keys are)."""
+    return {key: {impl: {str(size): v for size, v in m[key].items()}
+                  for impl, m in measured.items()} for key in ("seconds", "spread", "calls")}
 
 
 def main(argv=None) -> dict:
@@ -252,8 +272,7 @@ def main(argv=None) -> dict:
     headers = ["size"] + [f"{i} busbw GB/s" for i in results]
     rows = []
     for s in byte_sizes:
-        label = f"{s // 1024} KiB" if s < (1 << 20) else f"{s >> 20} MiB"
-        rows.append([label] + [factor * s / results[i][s] / 1e9 for i in results])
+        rows.append([label(s)] + [factor * s / results[i][s] / 1e9 for i in results])
     fits = {i: fit_alpha_beta(byte_sizes, [results[i][s] for s in byte_sizes], n)
             for i in results}
     ratio_rows = []
@@ -277,15 +296,9 @@ def main(argv=None) -> dict:
             return f"{results[i][s] * 1e3:.3g} ({lo * 1e3:.3g}-{hi * 1e3:.3g})"
         text += "\n\n" + common.table(
             ["size"] + [f"{i} ms (jobs' medians)" for i in horovods],
-            [[f"{s // 1024} KiB" if s < (1 << 20) else f"{s >> 20} MiB"]
-             + [spread(i, s) for i in horovods] for s in byte_sizes])
+            [[label(s)] + [spread(i, s) for i in horovods] for s in byte_sizes])
     print(text)
-    payload = {"args": vars(args), "np": n,
-               "seconds": {i: {str(k): v for k, v in r.items()} for i, r in results.items()},
-               "spread": {i: {str(k): v for k, v in m["spread"].items()}
-                          for i, m in measured.items()},
-               "calls": {i: {str(k): v for k, v in m["calls"].items()}
-                         for i, m in measured.items()},
+    payload = {"args": vars(args), "np": n, **as_json(measured),
                "busbw_bytes_per_s": {i: {str(s): factor * s / r[s] for s in byte_sizes}
                                      for i, r in results.items()},
                "alpha_beta": {i: {"alpha_s": f[0], "bandwidth_bytes_per_s": f[1]}

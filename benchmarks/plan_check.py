@@ -93,17 +93,16 @@ def check_allreduce(path: Path | None = None, now: Path | None = None) -> list[d
         return r
 
     rows = []
-    committed = json.loads(path.read_text())
+    files = {f: json.loads(f.read_text()) for f in ((path, now) if now else (path,))}
     if now:
-        fresh = json.loads(now.read_text())
+        fresh = files[now]
         for impl in clusters.BINDING_SERIES.values():
-            if impl in committed["seconds"] and impl in fresh["seconds"]:
+            if impl in files[path]["seconds"] and impl in fresh["seconds"]:
                 curve = clusters.this_host(path, impl)
                 rows += [row("curve", now, impl, int(size),
                              lone(curve, impl, int(size)), fresh)
                          for size in fresh["seconds"][impl]]
-    for file in (path, now) if now else (path,):
-        data = json.loads(file.read_text())
+    for file, data in files.items():
         for binding, base in clusters.BINDING_SERIES.items():
             if base not in data["seconds"]:
                 continue
@@ -122,7 +121,7 @@ def fresh_allreduce(path: Path, tensorflow: bool = True, repeats: int = 3,
     -np 2, ``repeats`` jobs of ``rounds`` sweeps, every call pooled), the series ``hvdtrain
     plan`` uses (:data:`clusters.BINDING_SERIES`): PyTorch's binding and, with ``tensorflow``,
     TensorFlow's (the Keras/TensorFlow rows use it), into ``path`` in allreduce.json's layout
-    (``seconds``, ``spread``, seconds); results/allreduce.json untouched.
+    (``seconds``, ``spread``, ``calls``); results/allreduce.json untouched.
 
     Raises:
         RuntimeError: a job failed (:func:`common.run_json`)."""
@@ -136,10 +135,8 @@ def fresh_allreduce(path: Path, tensorflow: bool = True, repeats: int = 3,
     bindings = ("torch", "tensorflow") if tensorflow else ("torch",)
     measured = {impl: allreduce.measure(impl, 2, ns, env)
                 for impl in (clusters.BINDING_SERIES[b] for b in bindings)}
-    path.write_text(json.dumps({
-        "np": 2, "machine": common.machine(),
-        "seconds": {i: {str(k): v for k, v in m["seconds"].items()} for i, m in measured.items()},
-        "spread": {i: {str(k): v for k, v in m["spread"].items()} for i, m in measured.items()}}))
+    path.write_text(json.dumps({"np": 2, "machine": common.machine(),
+                                **allreduce.as_json(measured)}))
     return path
 
 

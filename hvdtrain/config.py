@@ -18,16 +18,17 @@ FRAMEWORKS = ("torch", "keras")
 # Keras 3 backends hvdtrain.keras runs on (KERAS_BACKEND); jax has no Horovod binding.
 KERAS_BACKENDS = ("tensorflow", "torch")
 
-
-def default_keras_backend() -> str:
-    """The Keras backend a job gets without ``--keras-backend``: ``$KERAS_BACKEND``, else Keras's
-    own default, ``tensorflow``."""
-    return os.environ.get("KERAS_BACKEND") or "tensorflow"
 DATASETS = ("digits", "mnist", "synthetic")
 COMPRESSIONS = ("none", "fp16")
 OPS = ("average", "adasum")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RESUME_MODES = ("", "yes", "auto")  # --resume: off, required, when a checkpoint exists
+
+
+def default_keras_backend() -> str:
+    """The Keras backend a job gets without ``--keras-backend``: ``$KERAS_BACKEND``, else Keras's
+    own default, ``tensorflow``."""
+    return os.environ.get("KERAS_BACKEND") or "tensorflow"
 
 
 class ConfigError(ValueError):

@@ -66,9 +66,10 @@ PRESETS: dict[str, Cluster] = {
         "GPU)"),
 }
 
-# benchmarks/allreduce.py's Horovod series -> the settings it ran with (its SERIES_ENV): Horovod's
-# 1 ms default cycle, a 0.1 ms cycle, or hvdtrain's CPU rank settings (the background thread
-# woken when a tensor is enqueued; hvdtrain.launch.tuning.CPU_RANK_SETTINGS).
+# benchmarks/allreduce.py's Horovod series -> the settings it runs them with (its series_env
+# sets the variables from here): Horovod's 1 ms default cycle, a 0.1 ms cycle, or hvdtrain's
+# CPU rank settings (the background thread woken when a tensor is enqueued;
+# hvdtrain.launch.tuning.CPU_RANK_SETTINGS).
 SERIES_SETTINGS = {"horovod-mpi": HorovodSettings(cycle_time_s=1e-3),
                    "horovod-mpi-cycle0.1": HorovodSettings(cycle_time_s=1e-4),
                    "horovod-tf-cycle0.1": HorovodSettings(cycle_time_s=1e-4),
