@@ -66,6 +66,27 @@ def script(name: str) -> list[str]:
     return [sys.executable, str(HERE / name)]
 
 
+def rank_script(name: str) -> str:
+    """The path of ``tests/parallel/<name>``, for a rank pool's request."""
+    return str(HERE / name)
+
+
+TRAIN = "hvdtrain.cli:main"  # `hvdtrain train ...` inside a rank pool's ranks
+
+
+def train_in(pools, out, *args: str, framework: str = "torch", backend: str = "tensorflow",
+             **kw):
+    """``hvdtrain train --framework F --output-dir OUT ARGS`` inside the ranks of the pool for
+    ``framework`` (Keras: the pool whose backend is ``backend``, ``--keras-backend`` given);
+    ``kw`` as :meth:`rankpool.RankPool.run`. Returns its :class:`rankpool.Done`."""
+    if framework == "keras":
+        pool, args = pools.keras(backend), ("--keras-backend", backend, *args)
+    else:
+        pool = pools.get()
+    return pool.run(TRAIN, "train", "--framework", framework, "--output-dir", str(out), *args,
+                    **kw)
+
+
 # The tag Open MPI (``[jobid,rank]<stdout>:``, horovodrun's MPI mode) and horovodrun's Gloo mode
 # (``[rank]<stdout>:``) put before each chunk of a rank's output that they forward. A chunk can
 # end anywhere in a line, so a tag can sit in the middle of one.

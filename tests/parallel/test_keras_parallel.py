@@ -1,18 +1,21 @@
-"""Real `horovodrun -np 2` / `mpirun -np 2` runs of the Keras 3 adapter and `hvdtrain train`, on
-both Keras backends (KERAS_BACKEND=tensorflow and torch) where the test is about the adapter."""
+"""The Keras 3 adapter on 2 real ranks (the session's rank pool of each Keras backend:
+tests/parallel/rankpool.py) against one process on the global batch in the same job (rank 0),
+on both backends (KERAS_BACKEND=tensorflow and torch) where the test is about the adapter; and
+`hvdtrain train` under real `horovodrun -np 2` / `mpirun -np 2` launches."""
 import json
 
 import numpy as np
 import pytest
 
 from hvdtrain import schedule
-from jobs import KERAS_BACKENDS, horovodrun, keras_env, mpirun, run, script
+from jobs import KERAS_BACKENDS, horovodrun, mpirun, rank_script, run, script
+from rankpool import TIMELINE_ENV
 
 BACKENDS = pytest.mark.parametrize("backend", KERAS_BACKENDS)
 
 
 @pytest.mark.parametrize("backend,k", [("tensorflow", 2), ("torch", 2), ("torch", 1)])
-def test_np2_equals_single_process_global_batch(tmp_path, backend, k):
+def test_np2_equals_single_process_global_batch(keras_ranks, tmp_path, backend, k):
     """k = 2: Keras's gradient accumulation, one all-reduce per 2 micro-batches. Torch backend,
     k = 1: the gradients' all-reduces start during backward (hvdtrain.keras.overlap), from the
     first step on. Its case runs 16 steps: the momentum-0.9 fit of random labels amplifies
@@ -21,10 +24,9 @@ def test_np2_equals_single_process_global_batch(tmp_path, backend, k):
     par, ref = tmp_path / "par.npz", tmp_path / "ref.npz"
     samples, epochs = (384, 2) if k == 2 else (256, 1)
     args = ["--samples", str(samples), "--batch-size", "8", "-k", str(k), "--epochs", str(epochs)]
-    run(horovodrun(2, *script("keras_equivalence.py"), "--out", str(par), *args),
-        env=keras_env(backend))
-    run(script("keras_equivalence.py") + ["--reference", "--world-size", "2", "--out", str(ref),
-                                          *args], env=keras_env(backend))
+    keras_ranks.run(rank_script("keras_equivalence.py"), "--out", par, *args)
+    keras_ranks.run(rank_script("keras_equivalence.py"), "--reference", "--world-size", "2",
+                    "--out", ref, *args, ranks=[0])
     par, ref = np.load(par), np.load(ref)
     assert int(par["size"]) == 2
     steps = samples * epochs // 16 // k
@@ -36,16 +38,16 @@ def test_np2_equals_single_process_global_batch(tmp_path, backend, k):
 
 
 @pytest.mark.parametrize("jit", ["true", "auto"])
-def test_keras_jit_compile_default_and_true_train_like_the_reference(tmp_path, jit):
+def test_keras_jit_compile_default_and_true_train_like_the_reference(pools, tmp_path, jit):
     # TensorFlow backend: jit_compile=True compiles forward and backward with XLA and keeps
     # Horovod's all-reduce (no XLA kernel) outside the cluster; before, the step failed in
     # tf2xla. "auto" is Keras's default (no XLA on a CPU-only host).
     par, ref = tmp_path / "par.npz", tmp_path / "ref.npz"
     args = ["--samples", "384", "--batch-size", "8", "-k", "2", "--epochs", "2"]
-    run(horovodrun(2, *script("keras_equivalence.py"), "--out", str(par), "--jit-compile", jit,
-                   *args), env=keras_env("tensorflow"))
-    run(script("keras_equivalence.py") + ["--reference", "--world-size", "2", "--out", str(ref),
-                                          *args], env=keras_env("tensorflow"))
+    ranks = pools.keras("tensorflow")
+    ranks.run(rank_script("keras_equivalence.py"), "--out", par, "--jit-compile", jit, *args)
+    ranks.run(rank_script("keras_equivalence.py"), "--reference", "--world-size", "2",
+              "--out", ref, *args, ranks=[0])
     par, ref = np.load(par), np.load(ref)
     # true: the split step was built; auto: Keras resolves it to no XLA on this CPU-only host.
     assert bool(par["jit_compile"]) == bool(par["xla_split"]) == (jit == "true")
@@ -56,9 +58,9 @@ def test_keras_jit_compile_default_and_true_train_like_the_reference(tmp_path, j
 
 
 @BACKENDS
-def test_broadcast_before_the_first_step(tmp_path, backend):
+def test_broadcast_before_the_first_step(keras_ranks, tmp_path, backend):
     out = tmp_path / "b.json"
-    run(horovodrun(2, *script("keras_broadcast.py"), "--out", str(out)), env=keras_env(backend))
+    keras_ranks.run(rank_script("keras_broadcast.py"), "--out", out)
     r = json.loads(out.read_text())
     assert r["size"] == 2
     assert any("moving_mean" in k for k in r["keys"]) and any("iteration" in k for k in r["keys"])
@@ -72,9 +74,9 @@ def test_broadcast_before_the_first_step(tmp_path, backend):
 
 
 @BACKENDS
-def test_warmup_lr_read_from_the_optimizer_follows_schedule(tmp_path, backend):
+def test_warmup_lr_read_from_the_optimizer_follows_schedule(keras_ranks, tmp_path, backend):
     out = tmp_path / "lr.json"
-    run(horovodrun(2, *script("keras_warmup.py"), "--out", str(out)), env=keras_env(backend))
+    keras_ranks.run(rank_script("keras_warmup.py"), "--out", out)
     r = json.loads(out.read_text())
     k, size = r["k"], r["size"]
     for name in ("sgd_momentum", "adam"):
@@ -91,9 +93,9 @@ def test_warmup_lr_read_from_the_optimizer_follows_schedule(tmp_path, backend):
 
 
 @BACKENDS
-def test_k4_runs_a_quarter_of_the_allreduces_of_k1(tmp_path, backend):
+def test_k4_runs_a_quarter_of_the_allreduces_of_k1(pools, tmp_path, backend):
     out = tmp_path / "c.json"
-    run(horovodrun(2, *script("keras_allreduce_count.py"), "--out", str(out)), env=keras_env(backend))
+    pools.keras(backend, **TIMELINE_ENV).run(rank_script("keras_allreduce_count.py"), "--out", out)
     c = json.loads(out.read_text())
     assert c["k1"]["micro_batches"] == c["k4"]["micro_batches"] == 32
     assert c["k1"]["timeline_allreduces"] == c["k1"]["parameters"] * 32

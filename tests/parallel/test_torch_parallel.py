@@ -1,29 +1,32 @@
-"""Real `horovodrun -np 2` / `mpirun -np 2` runs of the PyTorch adapter and `hvdtrain train`."""
+"""The PyTorch adapter on 2 real ranks (the session's rank pool: tests/parallel/rankpool.py) against
+one process on the global batch in the same job (rank 0, rank-local), and `hvdtrain train`
+under real `horovodrun -np 2` / `mpirun -np 2` launches."""
 import json
 
 import numpy as np
 import pytest
 import torch
 
-from jobs import Console, horovodrun, mpirun, run, script
+from jobs import Console, horovodrun, mpirun, rank_script, run
+from rankpool import TIMELINE_ENV
 from hvdtrain import datasets
 from hvdtrain.torch.models import build_model
 
 
-def equivalence(tmp_path, samples, extra=()):
+def equivalence(ranks, tmp_path, samples, extra=()):
     par, ref = tmp_path / "par.npz", tmp_path / "ref.npz"
     args = ["--samples", str(samples), "--batch-size", "8", "-k", "2", "--epochs", "2"]
-    run(horovodrun(2, *script("torch_equivalence.py"), "--out", str(par), *args, *extra))
-    run(script("torch_equivalence.py") + ["--reference", "--world-size", "2", "--out", str(ref),
-                                          *args])
+    ranks.run(rank_script("torch_equivalence.py"), "--out", par, *args, *extra)
+    ranks.run(rank_script("torch_equivalence.py"), "--reference", "--world-size", "2",
+              "--out", ref, *args, ranks=[0])
     return np.load(par), np.load(ref)
 
 
 @pytest.mark.parametrize("samples,steps", [(384, 24), (176, 12)],
                          ids=["full-groups", "partial-last-group"])
-def test_np2_k2_equals_single_process_global_batch(tmp_path, samples, steps):
+def test_np2_k2_equals_single_process_global_batch(ranks, tmp_path, samples, steps):
     # 176 samples: 88 per rank = 11 micro-batches of 8, so each epoch ends with a group of 1.
-    par, ref = equivalence(tmp_path, samples)
+    par, ref = equivalence(ranks, tmp_path, samples)
     assert int(par["size"]) == 2
     assert int(par["steps"]) == int(ref["steps"]) == steps >= 10
     assert float(par["rank_spread"]) == 0.0  # ranks agree exactly
@@ -31,15 +34,15 @@ def test_np2_k2_equals_single_process_global_batch(tmp_path, samples, steps):
     assert diff <= 1e-5, f"max |w_parallel - w_reference| = {diff}"
 
 
-def test_naive_fixed_loss_scale_breaks_the_partial_group(tmp_path):
+def test_naive_fixed_loss_scale_breaks_the_partial_group(ranks, tmp_path):
     # Control: scaling every micro-batch by 1/k (not by the group's size) must be caught.
-    par, ref = equivalence(tmp_path, 176, extra=("--fixed-scale",))
+    par, ref = equivalence(ranks, tmp_path, 176, extra=("--fixed-scale",))
     assert float(np.abs(par["weights"] - ref["weights"]).max()) > 1e-3
 
 
-def test_broadcast_makes_params_buffers_and_optimizer_state_equal(tmp_path):
+def test_broadcast_makes_params_buffers_and_optimizer_state_equal(ranks, tmp_path):
     out = tmp_path / "b.json"
-    run(horovodrun(2, *script("torch_broadcast.py"), "--out", str(out)))
+    ranks.run(rank_script("torch_broadcast.py"), "--out", out)
     result = json.loads(out.read_text())
     assert result["size"] == 2
     keys = result["keys"]
@@ -49,9 +52,9 @@ def test_broadcast_makes_params_buffers_and_optimizer_state_equal(tmp_path):
     assert result["root_changed"] == 0.0  # rank 0 kept its own state, optimizer state included
 
 
-def test_k4_runs_a_quarter_of_the_allreduces_of_k1(tmp_path):
+def test_k4_runs_a_quarter_of_the_allreduces_of_k1(pools, tmp_path):
     out = tmp_path / "c.json"
-    run(horovodrun(2, *script("torch_allreduce_count.py"), "--out", str(out)))
+    pools.get(TIMELINE_ENV).run(rank_script("torch_allreduce_count.py"), "--out", out)
     c = json.loads(out.read_text())
     assert c["k1"]["micro_batches"] == c["k4"]["micro_batches"] == 32
     assert c["k1"]["allreduces"] == c["k1"]["parameters"] * 32

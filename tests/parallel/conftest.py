@@ -1,0 +1,76 @@
+"""The rank pools tests/parallel shares (tests/parallel/rankpool.py): a live 2-rank job per
+environment (the PyTorch pool, a Keras pool per backend), started by the first test that asks
+for it and kept for the session. An idle pool costs about 0.05 of a core; a pool with Horovod's
+dynamic timeline (whose writer thread polls a core) ends as soon as another pool is asked for.
+
+    def test_x(ranks):            # the PyTorch pool
+        ranks.run(script("torch_broadcast.py"), "--out", out)
+
+    def test_y(keras_ranks):      # the pool of the test's `backend` (a fixture or a parameter)
+        keras_ranks.run(script("keras_broadcast.py"), "--out", out)
+
+    train(ranks, out, "--epochs", "2")   # `hvdtrain train` inside the pool's ranks
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jobs import horovodrun, job_env, keras_env
+from rankpool import TIMELINE_ENV, RankPool
+
+SIZE = 2
+
+
+class Pools:
+    """The live :class:`RankPool` of each environment its ranks start with.
+
+    Args:
+        root: the pools' folders go under it.
+    """
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.live: dict[tuple, RankPool] = {}
+        self.made = 0
+
+    def get(self, env: dict | None = None) -> RankPool:
+        """The pool whose ranks start with ``env`` on top of :func:`jobs.job_env` (Keras reads
+        its backend once, at import; Horovod its settings once, at ``hvd.init()``)."""
+        key = tuple(sorted((env or {}).items()))
+        for other in [k for k in self.live if k != key and dict(k).keys() & TIMELINE_ENV.keys()]:
+            self.live.pop(other).close()
+        if key not in self.live:
+            self.made += 1
+            name = "pool " + (" ".join(f"{k}={v}" for k, v in key) or "(no variables)")
+            self.live[key] = RankPool(self.root / f"pool{self.made}", horovodrun(SIZE),
+                                      {**job_env(), **dict(key)}, name=name)
+        return self.live[key]
+
+    def keras(self, backend: str, **env) -> RankPool:
+        """The pool whose Keras runs on ``backend``."""
+        return self.get({**keras_env(backend), **env})
+
+    def close(self) -> None:
+        while self.live:
+            self.live.popitem()[1].close()
+
+
+@pytest.fixture(scope="session")
+def pools(tmp_path_factory) -> Pools:
+    pools = Pools(tmp_path_factory.mktemp("rankpools"))
+    yield pools
+    pools.close()
+
+
+@pytest.fixture
+def ranks(pools) -> RankPool:
+    """The 2-rank pool for PyTorch code (and ``hvdtrain train --framework torch``)."""
+    return pools.get()
+
+
+@pytest.fixture
+def keras_ranks(pools, backend) -> RankPool:
+    """The 2-rank pool whose Keras runs on ``backend`` (the test's ``backend``)."""
+    return pools.keras(backend)
