@@ -9,11 +9,21 @@ Horovod's ``pytorch_synthetic_benchmark.py`` (``Iter #i: X img/sec per GPU``,
 GPU machines are noisy (clocks, other tenants), so the two loops run interleaved in one process:
 each round times every variant's plain block and hvdtrain block back to back, the order of the
 two swapped every round; the ratio hvdtrain / plain of a variant is the median of its per-round
-ratios. The target, hvdtrain / plain >= 0.98, is reported, not asserted.
+ratios, printed with their min and max. The target, hvdtrain / plain >= 0.98, is reported, not
+asserted.
+
+Bounded runs (``make gpu-check``): ``--time-budget S`` starts no round that would end more than
+S seconds after the start, taking the next round to last as long as the last one (the first
+holds every warmup: this errs towards fewer rounds), but runs ``--min-rounds`` (default 2: each
+loop first once) and at most ``--rounds``; ``--warmup-later N``: N warmup steps, not
+``--warmup``, before a runner's later blocks (its kernels and cuDNN's choices are ready then).
+``--json-out`` is written after every round (``"complete": false`` until the end: a run stopped
+from outside leaves its rounds), its ``"timing"`` the seconds of start-up, rounds and total.
 
 Launch::
 
     python benchmarks/gpu.py --json-out benchmarks/results/gpu.json        # one GPU
+    python benchmarks/gpu.py --rounds 10 --iters 3 --warmup-later 2 --time-budget 50  # bounded
     horovodrun -np 4 python benchmarks/gpu.py                              # one rank per GPU
 
 At np=1 Horovod registers no gradient hooks (there is nothing to all-reduce), so the ratio
@@ -31,11 +41,9 @@ default), torchvision (any ``--model`` but ``tiny``) or Horovod is missing.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -43,16 +51,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_keras beside this script
 import gpu_keras  # noqa: E402  (imports nothing heavy)
+from gpu_rounds import (LOOPS, TARGET_RATIO, another_round, print_results,  # noqa: E402
+                        results_of, write_json)
 
 TORCH_VARIANTS = ("fp32", "bf16", "channels_last")
 VARIANTS = TORCH_VARIANTS + gpu_keras.VARIANTS
 # What a run does by default (make gpu-check): the three ResNet-50 variants, and Keras on the
 # smallest CNN and the LM, where a step is short enough for the adapter's own cost to show.
 DEFAULT_VARIANTS = TORCH_VARIANTS + ("keras_mnist", "keras_gpt")
-LOOPS = ("plain", "hvdtrain")
 LOOP_NAMES = {"plain": "plain PyTorch", "hvdtrain": "hvdtrain"}
 KERAS_LOOP_NAMES = {"plain": "plain Keras fit", "hvdtrain": "hvdtrain.keras"}
-TARGET_RATIO = 0.98
 PROG = "benchmarks/gpu.py"
 
 
@@ -74,7 +82,15 @@ def parse_args(argv=None):
     p.add_argument("--batches-per-iter", type=int, default=10, help="steps per timed iteration")
     p.add_argument("--iters", type=int, default=5, help="timed iterations per block")
     p.add_argument("--rounds", type=int, default=3,
-                   help="rounds; each times every variant's plain and hvdtrain block once")
+                   help="rounds (at most, with --time-budget); each times every variant's plain "
+                        "and hvdtrain block once")
+    p.add_argument("--min-rounds", type=int, default=2,
+                   help="rounds run whatever --time-budget says (at most --rounds)")
+    p.add_argument("--time-budget", type=float, default=0.0,
+                   help="seconds from the start within which the last round should end; no "
+                        "round starts that would not (after --min-rounds); 0: no budget")
+    p.add_argument("--warmup-later", type=int,
+                   help="warmup steps before a runner's later blocks (default: --warmup)")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--json-out", help="rank 0 writes the results (with the machine) here")
     args = p.parse_args(argv)
@@ -83,11 +99,14 @@ def parse_args(argv=None):
     if bad or not args.variants:
         p.error(f"--variants: {', '.join(bad) or 'none given'}; choose from {', '.join(VARIANTS)}")
     for flag in ("batch_size", "image_size", "num_classes", "batches_per_iter", "iters",
-                 "rounds"):
+                 "rounds", "min_rounds"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
-    if args.warmup < 0:
-        p.error("--warmup must be >= 0")
+    if args.warmup_later is None:
+        args.warmup_later = args.warmup
+    for flag in ("warmup", "warmup_later", "time_budget"):
+        if getattr(args, flag) < 0:
+            p.error(f"--{flag.replace('_', '-')} must be >= 0")
     return args
 
 
@@ -209,7 +228,8 @@ class Runner:
                      else (lambda: None))
 
     def block(self, args) -> list[float]:
-        """Warm up, then time ``args.iters`` iterations; returns their seconds."""
+        """Warm up (``args.warmup`` steps), then time ``args.iters`` iterations of
+        ``args.batches_per_iter`` steps; returns their seconds."""
         if args.warmup:
             self.steps(args.warmup)
         seconds = []
@@ -222,6 +242,14 @@ class Runner:
         return seconds
 
 
+def _try(get, default=None):
+    """``get()``, or ``default`` where it raises (a fact this machine cannot tell)."""
+    try:
+        return get()
+    except Exception:  # noqa: BLE001 - the fact stays unknown
+        return default
+
+
 def machine(device) -> dict:
     """The GPU, driver, CUDA and library versions the numbers were measured with."""
     import torch
@@ -229,32 +257,19 @@ def machine(device) -> dict:
     import horovod
     import horovod.torch as hvd
     facts = {"python": platform.python_version(), "torch": torch.__version__,
-             "torchvision": None, "horovod": horovod.__version__,
-             "horovod_nccl_built": bool(hvd.nccl_built()), "host": platform.node(),
-             "cpu_count": os.cpu_count()}
-    try:
-        import torchvision
-        facts["torchvision"] = torchvision.__version__
-    except ImportError:
-        pass
+             "torchvision": _try(lambda: __import__("torchvision").__version__),
+             "horovod": horovod.__version__, "horovod_nccl_built": bool(hvd.nccl_built()),
+             "host": platform.node(), "cpu_count": os.cpu_count()}
     if device.type != "cuda":
         return {**facts, "gpu": None}
-    props = torch.cuda.get_device_properties(device)
-    try:
-        driver_api = torch._C._cuda_getDriverVersion()  # e.g. 13000: the CUDA API of the driver
-        driver_api = f"{driver_api // 1000}.{driver_api % 1000 // 10}"
-    except (AttributeError, RuntimeError):
-        driver_api = None
-    try:
-        nccl = ".".join(map(str, torch.cuda.nccl.version()))
-    except (AttributeError, RuntimeError):
-        nccl = None
+    api = _try(lambda: torch._C._cuda_getDriverVersion())  # 13000: the CUDA API of the driver
     facts.update({
         "gpu": torch.cuda.get_device_name(device), "gpu_count": torch.cuda.device_count(),
-        "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+        "gpu_memory_gib": round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1),
         "compute_capability": "%d.%d" % torch.cuda.get_device_capability(device),
-        "driver": nvidia_driver(), "cuda_driver_api": driver_api,
-        "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(), "nccl": nccl,
+        "driver": nvidia_driver(), "cuda_driver_api": api and f"{api // 1000}.{api % 1000 // 10}",
+        "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+        "nccl": _try(lambda: ".".join(map(str, torch.cuda.nccl.version()))),
         "tf32_convolutions": torch.backends.cudnn.allow_tf32,
         "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
         "cudnn_benchmark": torch.backends.cudnn.benchmark})
@@ -264,30 +279,22 @@ def machine(device) -> dict:
 def nvidia_driver() -> str | None:
     """The NVIDIA driver version (nvidia-smi, else NVML), or None."""
     if shutil.which("nvidia-smi"):
-        try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
-                                  "--format=csv,noheader"], capture_output=True, text=True,
-                                 timeout=30)
-            if out.returncode == 0 and out.stdout.strip():
-                return out.stdout.strip().splitlines()[0]
-        except (OSError, subprocess.SubprocessError):
-            pass
-    try:
+        out = _try(lambda: subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                                           "--format=csv,noheader"], capture_output=True,
+                                          text=True, timeout=30))
+        if out and out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip().splitlines()[0]
+
+    def nvml():
         import pynvml
         pynvml.nvmlInit()
         version = pynvml.nvmlSystemGetDriverVersion()
         return version.decode() if isinstance(version, bytes) else version
-    except Exception:  # noqa: BLE001 - NVML absent or unusable: the driver stays unknown
-        return None
-
-
-def summary(values: list[float]) -> tuple[float, float]:
-    """Mean and 1.96 x the (population) standard deviation, as Horovod's benchmark prints."""
-    mean = statistics.fmean(values)
-    return mean, 1.96 * statistics.pstdev(values) if len(values) > 1 else 0.0
+    return _try(nvml)
 
 
 def main(argv=None) -> dict:
+    started = time.perf_counter()
     args = parse_args(argv)
     problems = missing_requirements(args)
     if problems:
@@ -300,6 +307,7 @@ def main(argv=None) -> dict:
         gpu_keras.use_torch_backend(args.device)  # before Keras is imported
     import torch
 
+    import horovod.torch as hvd
     import hvdtrain.torch as ht
     info = ht.init(seed=0, device=args.device)
     if keras_variants:
@@ -316,78 +324,71 @@ def main(argv=None) -> dict:
         log(f"Keras 3 on PyTorch: {', '.join(keras_variants)}")
     log(f"Batch size: {args.batch_size}")
     log(f"Number of {unit}s: {info.size}")
+    budget = f" within {args.time_budget:g} s" if args.time_budget else ""
     log(f"Variants: {', '.join(args.variants)}; loops: plain (PyTorch, Keras fit), hvdtrain (k=1); "
-        f"{args.rounds} round(s) of {args.iters} x {args.batches_per_iter} steps per block, "
-        f"{args.warmup} warmup steps before each")
+        f"{min(args.min_rounds, args.rounds)} to {args.rounds} round(s){budget} of {args.iters} x "
+        f"{args.batches_per_iter} steps per block, {args.warmup} warmup steps before a runner's "
+        f"first block, {args.warmup_later} before its others")
 
     def loop_name(variant: str, loop: str) -> str:
         return (KERAS_LOOP_NAMES if variant in keras_variants else LOOP_NAMES)[loop]
 
     runners = {(v, loop): (gpu_keras.KerasRunner if v in keras_variants else Runner)(
         args, v, loop, device) for v in args.variants for loop in LOOPS}
+    later = argparse.Namespace(**{**vars(args), "warmup": args.warmup_later})
+    kinds = {v: {"model": v[len(gpu_keras.PREFIX):], "framework": "keras (torch backend)"}
+             if v in keras_variants else {"model": args.model, "framework": "torch"}
+             for v in args.variants}
     samples = args.batch_size * args.batches_per_iter
     iters = {key: [] for key in runners}   # img/sec of every timed iteration
     rounds = {key: [] for key in runners}  # img/sec of each round's block
-    for r in range(args.rounds):
+    timing = {"startup_s": round(time.perf_counter() - started, 2), "rounds_s": []}
+    log(f"Started in {timing['startup_s']:.1f} s (imports, Horovod, {len(runners)} models)")
+    settings = ("warmup", "warmup_later", "batches_per_iter", "iters", "rounds", "min_rounds",
+                "time_budget", "lr")
+    report = {"benchmark": "gpu", "model": args.model, "batch_size": args.batch_size,
+              "image_size": args.image_size, "num_classes": args.num_classes,
+              "device": args.device, "unit": unit, "size": info.size,
+              "settings": {**{k: getattr(args, k) for k in settings},
+                           "backward_passes_per_step": 1},
+              "target_ratio": TARGET_RATIO, "machine": machine(device), "timing": timing,
+              "complete": False, "variants": {}}
+    r = 0
+    while True:
+        go = another_round(r, args, time.perf_counter() - started, (timing["rounds_s"] or [0])[-1])
+        if info.size > 1:  # every rank runs the same rounds (the hvdtrain loop all-reduces)
+            go = hvd.broadcast_object(go, root_rank=0, name="gpu_bench.round")
+        if not go:
+            break
+        round_start = time.perf_counter()
         order = LOOPS if r % 2 == 0 else LOOPS[::-1]  # alternate who goes first
         for variant in args.variants:
             for loop in order:
                 key = (variant, loop)
                 log(f"Round {r + 1}/{args.rounds}, {variant}, {loop_name(variant, loop)}: "
                     "Running benchmark...")
-                seconds = runners[key].block(args)
+                seconds = runners[key].block(args if not rounds[key] else later)
                 for s in seconds:
                     log(f"Iter #{len(iters[key])}: {samples / s:.1f} img/sec per {unit}")
                     iters[key].append(samples / s)
                 rounds[key].append(samples * len(seconds) / sum(seconds))
-
-    results = {}
-    for variant in args.variants:
-        entry = {"model": (variant[len(gpu_keras.PREFIX):] if variant in keras_variants
-                           else args.model),
-                 "framework": "keras (torch backend)" if variant in keras_variants else "torch"}
-        for loop in LOOPS:
-            mean, conf = summary(iters[(variant, loop)])
-            log(f"{variant}, {loop_name(variant, loop)}:")
-            log(f"Img/sec per {unit}: {mean:.1f} +-{conf:.1f}")
-            log(f"Total img/sec on {info.size} {unit}(s): {info.size * mean:.1f} "
-                f"+-{info.size * conf:.1f}")
-            entry[loop] = {"img_sec_per_device": mean, "img_sec_per_device_conf": conf,
-                           "total_img_sec": info.size * mean,
-                           "img_sec_median_of_rounds": statistics.median(rounds[(variant, loop)]),
-                           "rounds": rounds[(variant, loop)], "iters": iters[(variant, loop)]}
-        round_ratios = [h / p for h, p in zip(rounds[(variant, "hvdtrain")],
-                                              rounds[(variant, "plain")])]
-        entry["round_ratios"] = round_ratios
-        entry["ratio"] = statistics.median(round_ratios)
-        entry["ratio_of_means"] = (entry["hvdtrain"]["img_sec_per_device"]
-                                   / entry["plain"]["img_sec_per_device"])
-        entry["meets_target"] = entry["ratio"] >= TARGET_RATIO
-        log(f"Ratio hvdtrain / plain ({variant}): {entry['ratio']:.3f} (median of "
-            f"{len(round_ratios)} round(s); target >= {TARGET_RATIO}: "
-            f"{'met' if entry['meets_target'] else 'NOT met'})")
-        results[variant] = entry
-
-    log("")
-    log(f"| variant | plain img/s per {unit} | hvdtrain img/s per {unit} "
-        "| hvdtrain / plain (median of rounds) |")
-    log("|---|---|---|---|")
-    for variant, e in results.items():
-        log(f"| {variant} | {e['plain']['img_sec_median_of_rounds']:,.1f} | "
-            f"{e['hvdtrain']['img_sec_median_of_rounds']:,.1f} | {e['ratio']:.3f} |")
-
-    report = {"benchmark": "gpu", "model": args.model, "batch_size": args.batch_size,
-              "image_size": args.image_size, "num_classes": args.num_classes,
-              "device": args.device, "unit": unit, "size": info.size,
-              "settings": {"warmup": args.warmup, "batches_per_iter": args.batches_per_iter,
-                           "iters": args.iters, "rounds": args.rounds, "lr": args.lr,
-                           "backward_passes_per_step": 1},
-              "target_ratio": TARGET_RATIO, "machine": machine(device), "variants": results}
+        r += 1
+        timing["rounds_s"].append(round(time.perf_counter() - round_start, 2))
+        log(f"Round {r} took {timing['rounds_s'][-1]:.1f} s "
+            f"({time.perf_counter() - started:.1f} s since the start)")
+        report["variants"] = results_of(kinds, iters, rounds, info.size)
+        if rank0 and args.json_out:
+            write_json(args.json_out, report)
+    timing.update(rounds=r, stopped_by="--rounds" if r >= args.rounds else "--time-budget")
+    print_results(log, report["variants"], unit, info.size, loop_name)
+    timing["total_s"] = round(time.perf_counter() - started, 2)
+    log(f"{r} round(s) (stopped by {timing['stopped_by']}) in {timing['total_s']:.1f} s: "
+        f"start-up {timing['startup_s']:.1f} s, rounds "
+        f"{', '.join(f'{t:.1f}' for t in timing['rounds_s'])} s")
+    report["complete"] = True
     if rank0 and args.json_out:
-        path = Path(args.json_out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2) + "\n")
-        log(f"wrote {path}")
+        write_json(args.json_out, report)
+        log(f"wrote {args.json_out}")
     return report
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU acceptance check: on a machine with an NVIDIA GPU, what hvdtrain claims there, run in one
-# command, with the evidence in one folder (the figures that benchmarks/README.md and the README's
-# GPU section record).
+# command within a time budget (5 minutes on one H100), with the evidence in one folder (the
+# figures that benchmarks/README.md and the README's GPU section record).
 #
 #   bash scripts/gpu_check.sh [RESULTS]              # RESULTS defaults to runs/gpu-check
 #   GPU_CHECK_STEPS="tests bench" bash scripts/gpu_check.sh   # some steps only (set up already)
@@ -10,21 +10,43 @@
 #   . BUNDLE/env.sh && HVDTRAIN_PYTHON=python3 bash scripts/gpu_check.sh
 # where BUNDLE comes from scripts/offline_bundle.sh on a machine that reaches the registry.
 #
-# Steps (GPU_CHECK_STEPS, default "setup tests bench", always in this order; after them, whatever
-# was chosen, `horovodrun --check-build` and `hvdtrain doctor` into doctor.txt):
+# Steps (GPU_CHECK_STEPS, default "setup tests bench", always in this order; after set-up,
+# whatever was chosen, `horovodrun --check-build` and `hvdtrain doctor` into doctor.txt, and
+# pytest and Keras installed where missing):
 #   setup  HVDTRAIN_GPU=1 scripts/setup.sh: Horovod built with NCCL (into HVDTRAIN_PYTHON's
-#          environment when it is set, else .venv)
-#   tests  pytest tests/gpu -m gpu (one rank: NCCL refuses two ranks on one GPU)
+#          environment when it is set, else .venv): the PyTorch binding only, for the compute
+#          capability of the GPU present (setup.sh decides both)
+#   tests  pytest tests/gpu -m gpu (one rank: NCCL refuses two ranks on one GPU): one shared CUDA
+#          job for every case one process can run, side jobs beside it (tests/gpu/gpujobs.py)
 #   bench  benchmarks/gpu.py: ResNet-50, hvdtrain / plain loop at fp32, bf16 and channels_last,
 #          and Keras (PyTorch backend) plain fit / hvdtrain.keras on the MNIST CNN and the LM
-#          (target >= 0.98; reported, not asserted)
-# RESULTS then holds summary.txt (the GPU, driver, CUDA, torch, Horovod's build, and each step
-# with its exit status and seconds), setup.log (setup.sh's lines), setup.log.tools (the compiler's
-# and pip's output), doctor.txt, tests.log, tests.xml (JUnit), bench.log and gpu.json: eight
-# files, none in a subfolder.
+#          (target >= 0.98; reported, not asserted), interleaved rounds within its time budget
 #
-# Exit status: 0 when every step passed, 1 when one failed (the others still run, but nothing runs
-# after a failed set-up), 2 before any work when no NVIDIA GPU is visible or on bad input.
+# Time (seconds; each a whole number): every step runs within its budget and is stopped past it
+# (`timeout`), which fails the check. GPU_CHECK_BUDGET_SETUP (default 150; measured on one H100:
+# 130 s building Horovod, seconds with its wheel kept), _DOCTOR (20), _DEPS (20), _TESTS (90),
+# _BENCH (60, and never past the whole budget less 5 s, but at least 30: the benchmark fits its
+# rounds into its step's budget less 10 s). GPU_CHECK_BUDGET (default 300; 0: none) is the whole
+# check's: a check that ends past it fails, saying so. GPU_CHECK_BENCH_ARGS (default "--rounds 10
+# --iters 3 --warmup-later 2") are the benchmark's settings besides its time budget.
+#
+# Horovod's wheel is kept: after set-up, the wheel it built or used is copied into
+# GPU_CHECK_WHEELS (default RESULTS/wheels), and before set-up each wheel there is put into
+# setup.sh's cache (HVDTRAIN_CACHE, default ~/.cache/hvdtrain) where that lacks it. setup.sh's
+# cache key names Horovod, torch, Python, CUDA, the compute capabilities, NCCL and the patches,
+# so only a wheel built for this machine's stack is used: a second run on the same machine (or
+# with the folder carried to an identical one) skips the build.
+#
+# RESULTS then holds summary.txt (the GPU, driver, CUDA, torch, Horovod's build, each step with
+# its exit status, seconds and budget, where the tests' and the benchmark's seconds went, and the
+# total against the budget), phases.json (the same steps as JSON, rewritten after each), setup.log
+# (setup.sh's lines), setup.log.tools (the compiler's and pip's output), doctor.txt, tests.log,
+# tests.xml (JUnit), tests-timings.json (the shared GPU job's launches, cases and side jobs),
+# bench.log and gpu.json (written after every round), and wheels/.
+#
+# Exit status: 0 when every step passed within its budget and the whole check within its own, 1
+# otherwise (the other steps still run, but nothing runs after a failed set-up), 2 before any work
+# when no NVIDIA GPU is visible or on bad input.
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -37,6 +59,18 @@ for s in $STEPS; do
   esac
 done
 [ $# -le 1 ] || { echo "usage: bash scripts/gpu_check.sh [RESULTS]" >&2; exit 2; }
+BUDGET=${GPU_CHECK_BUDGET:-300}
+declare -A CAP=([setup]=${GPU_CHECK_BUDGET_SETUP:-150} [doctor]=${GPU_CHECK_BUDGET_DOCTOR:-20}
+                [deps]=${GPU_CHECK_BUDGET_DEPS:-20} [tests]=${GPU_CHECK_BUDGET_TESTS:-90}
+                [bench]=${GPU_CHECK_BUDGET_BENCH:-60})
+[[ $BUDGET =~ ^[0-9]+$ ]] || { echo "gpu_check: GPU_CHECK_BUDGET=$BUDGET: want whole seconds" \
+  "(0: no budget for the whole check)" >&2; exit 2; }
+for p in setup doctor deps tests bench; do
+  [[ ${CAP[$p]} =~ ^[0-9]+$ ]] && [ "${CAP[$p]}" -ge 1 ] || {
+    echo "gpu_check: GPU_CHECK_BUDGET_${p^^}=${CAP[$p]}: want whole seconds, at least 1" >&2
+    exit 2; }
+done
+read -ra BENCH_ARGS <<<"${GPU_CHECK_BENCH_ARGS:---rounds 10 --iters 3 --warmup-later 2}"
 gpus=''
 if ! command -v nvidia-smi >/dev/null; then
   gpus_error="nvidia-smi not found"
@@ -53,6 +87,9 @@ fi
 mkdir -p "$RESULTS"
 RESULTS=$(cd "$RESULTS" && pwd)
 SUMMARY=$RESULTS/summary.txt
+PHASES=$RESULTS/phases.json
+CACHE=${HVDTRAIN_CACHE:-$HOME/.cache/hvdtrain}  # setup.sh's
+WHEELS=${GPU_CHECK_WHEELS:-$RESULTS/wheels}
 if [ -n "${HVDTRAIN_PYTHON:-}" ]; then
   PY=$(command -v "$HVDTRAIN_PYTHON") || { echo "gpu_check: HVDTRAIN_PYTHON=$HVDTRAIN_PYTHON:" \
     "no such program" >&2; exit 2; }
@@ -63,16 +100,57 @@ cd "$ROOT" || exit 2
 
 say() { printf '%s\n' "$*" | tee -a "$SUMMARY"; }
 failed=0
-# step NAME LOG COMMAND...: runs it with its output in LOG, and records status and seconds.
+phases=()  # "name exit seconds budget status log" of each step so far
+T0=0  # the whole check's time counts from this script's start ($SECONDS)
+# Step $1's budget in seconds: its own; the benchmark's also within what the whole budget leaves.
+limit_of() {
+  local cap=${CAP[$1]} left
+  if [ "$1" = bench ] && [ "$BUDGET" -gt 0 ]; then
+    left=$((BUDGET - (SECONDS - T0) - 5))
+    [ "$left" -ge 30 ] || left=30
+    [ "$left" -ge "$cap" ] || cap=$left
+  fi
+  echo "$cap"
+}
+write_phases() {  # phases.json: the steps so far, rewritten after each
+  local entry name rc secs limit status log sep=''
+  {
+    printf '{"budget_s": %d, "elapsed_s": %d, "phases": [' "$BUDGET" "$((SECONDS - T0))"
+    for entry in "${phases[@]}"; do
+      read -r name rc secs limit status log <<<"$entry"
+      printf '%s\n {"name": "%s", "exit": %d, "seconds": %d, "budget_s": %d, ' \
+        "$sep" "$name" "$rc" "$secs" "$limit"
+      printf '"status": "%s", "log": "%s"}' "${status//_/ }" "$log"
+      sep=,
+    done
+    printf '\n]}\n'
+  } > "$PHASES.tmp" && mv "$PHASES.tmp" "$PHASES"
+}
+# step NAME LOG COMMAND...: runs it within step NAME's budget (stopped past it) with its output
+# appended to LOG, and records its exit status, seconds and budget.
 step() {
-  local name=$1 out=$2 t0=$SECONDS rc
+  local name=$1 out=$2 t0=$SECONDS rc limit status secs
   shift 2
-  printf '[gpu_check] %s ... ' "$name"
-  "$@" >> "$out" 2>&1  # appended: pytest's installation and the tests share tests.log
+  limit=$(limit_of "$name")
+  printf '[gpu_check] %s (budget %d s) ... ' "$name" "$limit"
+  # appended: pip's and pytest's output share tests.log
+  timeout --kill-after=10 "$limit" "$@" >> "$out" 2>&1
   rc=$?
-  printf 'exit %d (%d s)\n' "$rc" "$((SECONDS - t0))"
-  printf 'step %-6s exit %d  %4d s  %s\n' "$name" "$rc" "$((SECONDS - t0))" "$(basename "$out")" \
+  secs=$((SECONDS - t0))
+  status=ok
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    status=over_budget
+    echo "gpu_check: step $name stopped at its budget of $limit s" >> "$out"
+  elif [ "$rc" -ne 0 ]; then
+    status=failed
+  fi
+  printf 'exit %d (%d s of %d s)%s\n' "$rc" "$secs" "$limit" \
+    "$([ "$status" = over_budget ] && echo ": OVER BUDGET, stopped")"
+  printf 'step %-6s exit %3d  %4d s of %4d s  %s%s\n' "$name" "$rc" "$secs" "$limit" \
+    "$(basename "$out")" "$([ "$status" = over_budget ] && echo "  OVER BUDGET, stopped")" \
     >> "$SUMMARY"
+  phases+=("$name $rc $secs $limit $status $(basename "$out")")
+  write_phases
   [ "$rc" -eq 0 ] || { failed=1; tail -n 15 "$out" | sed 's/^/    /'; }
   return "$rc"
 }
@@ -88,11 +166,44 @@ use_env() {
   # shellcheck disable=SC1090
   [ -z "$env_file" ] || . "$env_file"
 }
-doctor() {
-  TF_CPP_MIN_LOG_LEVEL=3 horovodrun --check-build && echo && hvdtrain doctor
+# Horovod wheels kept by an earlier run go into setup.sh's cache, under their own cache key.
+seed_wheels() {
+  local dir key n=0
+  for dir in "$WHEELS"/horovod-*/; do
+    ls "$dir"horovod-*.whl >/dev/null 2>&1 || continue
+    key=$(basename "$dir")
+    ls "$CACHE/wheels/$key"/horovod-*.whl >/dev/null 2>&1 && continue
+    mkdir -p "$CACHE/wheels/$key" && cp "$dir"horovod-*.whl "$CACHE/wheels/$key/" && n=$((n + 1))
+  done
+  [ "$n" -eq 0 ] || say "wheels: $n kept Horovod wheel(s) put into $CACHE/wheels (from $WHEELS)"
+}
+# The wheel set-up built or installed (its log names the folder), kept for the next run.
+keep_wheel() {
+  local dir kept
+  dir=$(grep -oE '(into|from) /[^ ]*/wheels/horovod-[^ ]*' "$RESULTS/setup.log" 2>/dev/null |
+        tail -n 1 | cut -d' ' -f2)
+  [ -n "$dir" ] && ls "$dir"/horovod-*.whl >/dev/null 2>&1 || return 0
+  kept=$WHEELS/$(basename "$dir")
+  if ! ls "$kept"/horovod-*.whl >/dev/null 2>&1; then
+    mkdir -p "$kept" && cp "$dir"/horovod-*.whl "$kept/" &&
+      say "wheels: Horovod's wheel kept in $kept (the next run skips the build)"
+  fi
+}
+finish() {  # the total against the budget, the result line, the exit status
+  local total=$((SECONDS - T0))
+  if [ "$BUDGET" -gt 0 ] && [ "$total" -gt "$BUDGET" ]; then
+    say "total: $total s: OVER the budget of $BUDGET s (GPU_CHECK_BUDGET)"
+    failed=1
+  else
+    say "total: $total s$([ "$BUDGET" -eq 0 ] || echo " (budget $BUDGET s)")"
+  fi
+  write_phases
+  say "result: $([ "$failed" -eq 0 ] && echo "every step passed" || echo "a step FAILED")"
+  exit "$failed"
 }
 
-for f in summary.txt setup.log setup.log.tools doctor.txt tests.log tests.xml bench.log gpu.json; do
+for f in summary.txt phases.json setup.log setup.log.tools doctor.txt tests.log tests.xml \
+    tests-timings.json bench.log gpu.json; do
   rm -f "${RESULTS:?}/$f"  # this run's evidence only
 done
 : > "$SUMMARY"
@@ -105,16 +216,25 @@ import torch
 nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.version.cuda else None
 print(torch.__version__, "CUDA", torch.version.cuda, "cuDNN", torch.backends.cudnn.version(),
       "NCCL", nccl, "GPUs seen", torch.cuda.device_count())' 2>&1 | tail -n 1)"
+say "budget: $BUDGET s in all; steps: setup ${CAP[setup]}, doctor ${CAP[doctor]}, deps" \
+  "${CAP[deps]}, tests ${CAP[tests]}, bench ${CAP[bench]} s (probe: $((SECONDS - T0)) s)"
+write_phases
 
 case " $STEPS " in *" setup "*)
+  seed_wheels
   if ! step setup "$RESULTS/setup.log" env HVDTRAIN_GPU=1 HVDTRAIN_SETUP_LOG="$RESULTS/setup.log.tools" \
       bash scripts/setup.sh; then
     say "set-up failed: tests and bench not run (the tools' output: setup.log.tools)"
-    exit 1
+    finish
   fi
+  keep_wheel
+  say "setup: $(awk '/^\[setup\] .* \.\.\. done \([0-9]+ s\)/ && match($0, /\([0-9]+ s\)$/) {
+    printf "%s%s %s %s %s", sep, $2, $3, $4, substr($0, RSTART + 1, RLENGTH - 2); sep = "; " }' \
+    "$RESULTS/setup.log")"
 esac
-use_env || { say "cannot run $PY"; exit 1; }
-step doctor "$RESULTS/doctor.txt" doctor
+use_env || { say "cannot run $PY"; finish; }
+step doctor "$RESULTS/doctor.txt" bash -c \
+  'TF_CPP_MIN_LOG_LEVEL=3 horovodrun --check-build && echo && hvdtrain doctor'
 say "horovod: $(grep -A12 'Available Tensor Operations' "$RESULTS/doctor.txt" |
   grep -o '\[X\] [A-Za-z]*' | tr '\n' ' ')"
 
@@ -123,29 +243,48 @@ say "horovod: $(grep -A12 'Available Tensor Operations' "$RESULTS/doctor.txt" |
 # constraints file would also move the numpy the environment has).
 wanted=''
 case " $STEPS " in *" tests "*) wanted="pytest keras" ;; *" bench "*) wanted="keras" ;; esac
+specs=()
 for m in $wanted; do
   # find_spec, not import: Keras's default backend is TensorFlow, absent from GPU environments
   if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$m') is None)" \
       2>/dev/null; then
-    spec=$(grep -E "^$m==" requirements/constraints.txt || echo "$m")
-    step "$m" "$RESULTS/tests.log" "$PY" -m pip install --disable-pip-version-check "$spec"
+    specs+=("$(grep -E "^$m==" requirements/constraints.txt || echo "$m")")
   fi
 done
+[ ${#specs[@]} -eq 0 ] ||
+  step deps "$RESULTS/tests.log" "$PY" -m pip install --disable-pip-version-check "${specs[@]}"
 
 case " $STEPS " in *" tests "*)
-  step tests "$RESULTS/tests.log" "$PY" -m pytest tests/gpu -m gpu -rA -p no:cacheprovider \
-    --junitxml="$RESULTS/tests.xml"
+  step tests "$RESULTS/tests.log" env HVDTRAIN_GPU_TIMINGS="$RESULTS/tests-timings.json" \
+    "$PY" -m pytest tests/gpu -m gpu -v -rA -p no:cacheprovider --junitxml="$RESULTS/tests.xml"
   say "tests: $(grep -E '^=+ .*(passed|failed|error|skipped).* =+$' "$RESULTS/tests.log" | tail -n 1)"
   # A skipped GPU test proves nothing: on a GPU machine none may be skipped.
   if grep -qE '^=+ .*[0-9]+ skipped' "$RESULTS/tests.log"; then
     say "tests: FAILED: tests were skipped (tests.log says why); on a GPU machine every one must run"
     failed=1
   fi
+  "$PY" - "$RESULTS/tests-timings.json" <<'PY' | tee -a "$SUMMARY"
+import json, sys
+try:
+    t = json.load(open(sys.argv[1]))
+except (OSError, ValueError) as exc:
+    print(f"tests: no timings ({exc})")
+    raise SystemExit(0)
+launches = ", ".join(f"{l.get('seconds', '?')} s for {len(l['cases'])} case(s), exit {l['exit']}"
+                     for l in t["launches"])
+slow = sorted(((c["seconds"] or 0, n) for n, c in t["cases"].items()), reverse=True)[:3]
+print(f"tests: shared GPU job {len(t['launches'])} launch(es): {launches}; slowest cases: "
+      + ", ".join(f"{n} {s:.1f} s" for s, n in slow))
+print("tests: side jobs: " + ", ".join(f"{n} {s['seconds']} s{'' if s['ok'] else ' FAILED'}"
+                                       for n, s in t["sides"].items()))
+PY
 esac
 
 case " $STEPS " in *" bench "*)
+  bench_budget=$(($(limit_of bench) - 10))  # its rounds: room left for its exit
+  [ "$bench_budget" -ge 1 ] || bench_budget=1
   step bench "$RESULTS/bench.log" env PYTHONUNBUFFERED=1 "$PY" benchmarks/gpu.py \
-    --json-out "$RESULTS/gpu.json"
+    --json-out "$RESULTS/gpu.json" "${BENCH_ARGS[@]}" --time-budget "$bench_budget"
   "$PY" - "$RESULTS/gpu.json" <<'PY' | tee -a "$SUMMARY"
 import json, sys
 try:
@@ -153,14 +292,19 @@ try:
 except (OSError, ValueError) as exc:
     print(f"bench: no results ({exc})")
     raise SystemExit(0)
+t = result.get("timing", {})
 print(f"bench: {result['model']}, batch {result['batch_size']}, {result['unit']}s: "
-      f"{result['size']}, target ratio >= {result['target_ratio']}")
+      f"{result['size']}, target ratio >= {result['target_ratio']}; "
+      f"{len(t.get('rounds_s', []))} round(s) "
+      f"({'complete' if result.get('complete') else 'CUT SHORT'}, stopped by "
+      f"{t.get('stopped_by', '?')}): start-up {t.get('startup_s', '?')} s, rounds "
+      + ", ".join(str(s) for s in t.get("rounds_s", [])) + " s")
 for name, v in result["variants"].items():
     print(f"bench: {name}: plain {v['plain']['img_sec_median_of_rounds']:.0f} img/s, hvdtrain "
           f"{v['hvdtrain']['img_sec_median_of_rounds']:.0f} img/s, ratio {v['ratio']:.3f} "
-          f"({'met' if v['meets_target'] else 'NOT met'})")
+          f"(min {v['ratio_min']:.3f}, max {v['ratio_max']:.3f}; "
+          f"{'met' if v['meets_target'] else 'NOT met'})")
 PY
 esac
 
-say "result: $([ "$failed" -eq 0 ] && echo "every step passed" || echo "a step FAILED")"
-exit "$failed"
+finish

@@ -6,6 +6,10 @@ shows it too), where torch sees no CUDA device: the CPU machines and CI. So the 
 vanishes silently; tests/unit/test_gpu_benchmark.py checks that the skip and its reason appear.
 Where a GPU is visible but Horovod was built without GPU support, the tests fail and say how to
 rebuild, instead of skipping: that machine is set up wrong for them.
+
+The ``gpu`` fixture (:class:`gpujobs.SharedRuns`) starts ONE CUDA job for the whole session
+(tests/gpu/rank_cases.py: every case one process can run, one after another) and the few side
+jobs that need a process of their own, all at once; each test asserts on its own case's files.
 """
 from pathlib import Path
 
@@ -53,3 +57,13 @@ def horovod_with_gpu_support():
                     f"(nccl_built={hvd.nccl_built()}): rebuild it with scripts/setup.sh and "
                     "HVDTRAIN_GPU=1 (HOROVOD_GPU_OPERATIONS=NCCL), or leave these tests out "
                     "with -m 'not gpu'", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def gpu(tmp_path_factory, horovod_with_gpu_support):
+    """The session's shared GPU job and side jobs (:class:`gpujobs.SharedRuns`), started at the
+    first test that asks; whatever still runs is ended at the end of the session."""
+    from gpujobs import SharedRuns
+    runs = SharedRuns(tmp_path_factory.mktemp("gpu_jobs")).start()
+    yield runs
+    runs.close()

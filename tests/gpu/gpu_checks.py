@@ -1,11 +1,13 @@
 """hvdtrain.torch on one CUDA GPU, checked at the adapter level: a ``torch.channels_last`` conv
 model through distribute() against the same model in the default (contiguous) layout, and
-``distribute(..., sync_batchnorm=True)`` on a BatchNorm model. Rank 0 writes what it saw as JSON;
-tests/gpu/test_gpu_adapter.py asserts on it. On one rank Horovod would skip the gradient
+``distribute(..., sync_batchnorm=True)`` on a BatchNorm model. The session's shared GPU job
+(tests/gpu/rank_cases.py, cases ``layouts`` and ``sync_batchnorm``) calls :func:`layouts` and
+:func:`batchnorm` and writes what they return as JSON; tests/gpu/test_gpu_adapter.py asserts on
+it. On one rank Horovod would skip the gradient
 all-reduce altogether; the layout check registers its hooks anyway, so the gradients do go through
 NCCL.
 
-Launch (one rank per GPU: NCCL refuses two ranks on one device)::
+Alone (one rank per GPU: NCCL refuses two ranks on one device)::
 
     horovodrun -np 1 python tests/gpu/gpu_checks.py --out result.json
 

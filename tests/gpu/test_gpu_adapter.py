@@ -1,26 +1,25 @@
-"""hvdtrain.torch's adapter on one CUDA GPU (tests/gpu/gpu_checks.py under ``horovodrun -np 1``):
+"""hvdtrain.torch's adapter on one CUDA GPU (tests/gpu/gpu_checks.py's checks, run as the cases
+``layouts`` and ``sync_batchnorm`` of the session's shared GPU job, tests/gpu/rank_cases.py):
 channels_last conv models and SyncBatchNorm. Skipped without CUDA (see conftest.py)."""
 import json
 
 import pytest
 
-from gpujobs import horovodrun, run, script
+
+def result(gpu, case: str) -> dict:
+    """What adapter case ``case`` of the shared GPU job wrote (its failure fails the test)."""
+    return json.loads((gpu.case(case) / "result.json").read_text())
 
 
-@pytest.fixture(scope="module")
-def checks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gpu_checks") / "result.json"
-    run(horovodrun(1, *script("gpu_checks.py"), "--out", str(out)))
-    return json.loads(out.read_text())
-
-
-def test_rank_runs_on_the_gpu(checks):
-    assert checks["size"] == 1 and checks["device"] == "cuda:0"
+def test_rank_runs_on_the_gpu(gpu):
+    for case in ("layouts", "sync_batchnorm"):
+        r = result(gpu, case)
+        assert r["size"] == 1 and r["device"] == "cuda:0" and r["nccl_built"] is True, r
 
 
 @pytest.mark.parametrize("case", ["none_k2", "fp16_k1"])
-def test_channels_last_cuda_model_trains_like_the_contiguous_one(checks, case):
-    c = checks["layouts"][case]
+def test_channels_last_cuda_model_trains_like_the_contiguous_one(gpu, case):
+    c = result(gpu, "layouts")["layouts"][case]
     assert c["devices"] == ["cuda:0"]
     assert c["moved"] > 1e-2  # it trained (3-6 SGD steps, lr 0.1)
     # Not bitwise: cuDNN picks other kernels for NHWC than for NCHW, which sum in another order.
@@ -38,8 +37,8 @@ def test_channels_last_cuda_model_trains_like_the_contiguous_one(checks, case):
     assert c["grads_channels_last"] == [True, True] and c["weights_channels_last"] == [True, True]
 
 
-def test_sync_batchnorm_converts_and_steps_on_cuda(checks):
-    b = checks["batchnorm"]
+def test_sync_batchnorm_converts_and_steps_on_cuda(gpu):
+    b = result(gpu, "sync_batchnorm")["batchnorm"]
     assert b["types"] == ["SyncBatchNorm", "SyncBatchNorm"]
     assert b["num_batches_tracked"] == [3, 3]
     assert all(l == l and abs(l) < 1e3 for l in b["losses"])  # finite
@@ -50,11 +49,11 @@ def test_sync_batchnorm_converts_and_steps_on_cuda(checks):
     assert b["max_running_stats_diff_to_plain_bn"] < 1e-6
 
 
-def test_sync_batchnorm_cross_rank_path_matches_batch_norm(checks):
+def test_sync_batchnorm_cross_rank_path_matches_batch_norm(gpu):
     # Horovod's all-gather / all-reduce path of SyncBatchNorm, run on one rank, against
     # F.batch_norm: forward, the three gradients and the running statistics (float32; the
     # statistics are combined by other kernels, so not bitwise).
-    diffs = checks["batchnorm"]["sync_path_max_diff"]
+    diffs = result(gpu, "sync_batchnorm")["batchnorm"]["sync_path_max_diff"]
     assert set(diffs) == {"output", "grad_input", "grad_weight", "grad_bias", "running_mean",
                           "running_var"}
     assert all(d < 1e-4 for d in diffs.values()), diffs

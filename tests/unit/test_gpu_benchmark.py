@@ -1,7 +1,10 @@
 """The GPU parts, checked where there is no GPU (the CPU machines and CI): tests/gpu is skipped
-with its stated reason (so it cannot vanish silently), and benchmarks/gpu.py refuses to start
-without CUDA or torchvision with exit status 2 and what to install, and runs end to end on the
-CPU in a tiny configuration (Horovod at size 1 needs no launcher)."""
+with its stated reason (so it cannot vanish silently), and its shared-job machinery
+(tests/gpu/gpujobs.py, rank_cases.py) runs a stand-in job: each case's result under its name, a
+failing case's error, a hung case named and the cases after it run by a new job, side jobs
+started after the case they need; benchmarks/gpu.py refuses to start without CUDA or torchvision
+with exit status 2 and what to install, runs end to end on the CPU in a tiny configuration
+(Horovod at size 1 needs no launcher), and keeps to its rounds' time budget."""
 import importlib.metadata
 import importlib.util
 import json
@@ -77,6 +80,35 @@ def test_benchmark_rejects_bad_options():
     assert parse(["--variants", "bf16"]).variants == ["bf16"]
 
 
+@pytest.mark.parametrize("bad", [["--time-budget", "-1"], ["--min-rounds", "0"],
+                                 ["--warmup-later", "-2"]], ids=lambda bad: bad[0])
+def test_benchmark_rejects_bad_round_options(bad):
+    parse = bench_module().parse_args
+    with pytest.raises(SystemExit) as exc:
+        parse(bad)
+    assert exc.value.code == 2
+    args = parse(["--warmup", "7"])
+    assert args.warmup_later == 7 and args.time_budget == 0 and args.min_rounds == 2  # defaults
+
+
+def test_rounds_fit_the_time_budget(monkeypatch):
+    """Rounds up to --min-rounds always, never past --rounds, in between only when the next
+    (taken to last as long as the last) ends within the budget (seconds since the start)."""
+    import argparse
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    from gpu_rounds import another_round
+    args = argparse.Namespace(rounds=10, min_rounds=2, time_budget=50.0)
+    assert another_round(0, args, elapsed=80.0, last_round=0.0)  # over budget: the minimum runs
+    assert another_round(1, args, elapsed=80.0, last_round=30.0)
+    assert another_round(2, args, elapsed=30.0, last_round=20.0)  # ends at 50 s: fits
+    assert not another_round(2, args, elapsed=30.1, last_round=20.0)
+    assert not another_round(10, args, elapsed=0.0, last_round=0.0)  # --rounds is the most
+    no_budget = argparse.Namespace(rounds=3, min_rounds=2, time_budget=0.0)
+    assert [another_round(r, no_budget, 1e6, 1e6) for r in range(4)] == [True] * 3 + [False]
+    one = argparse.Namespace(rounds=1, min_rounds=2, time_budget=0.0)
+    assert [another_round(r, one, 0.0, 0.0) for r in range(2)] == [True, False]
+
+
 def run_smoke(tmp_path, *args):
     out = tmp_path / "gpu.json"
     # The keras_* variants run on Keras's PyTorch backend, whatever this shell's KERAS_BACKEND.
@@ -86,8 +118,16 @@ def run_smoke(tmp_path, *args):
 
 
 def test_benchmark_runs_on_the_cpu_in_horovods_format(tmp_path):
-    result, printed = run_smoke(tmp_path, "--model", "tiny", "--rounds", "2")
+    # A time budget no round fits: the two rounds --min-rounds asks for, then it stops.
+    result, printed = run_smoke(tmp_path, "--model", "tiny", "--rounds", "5", "--time-budget",
+                                "0.001", "--warmup-later", "0")
     assert result["model"] == "tiny" and result["size"] == 1 and result["device"] == "cpu"
+    assert result["complete"] is True
+    timing = result["timing"]
+    assert timing["rounds"] == 2 == len(timing["rounds_s"])
+    assert timing["stopped_by"] == "--time-budget"
+    assert 0 < timing["startup_s"] < timing["total_s"]
+    assert result["settings"]["warmup_later"] == 0 and result["settings"]["time_budget"] == 0.001
     assert result["machine"]["torch"] and result["machine"]["gpu"] is None
     variants = ["fp32", "bf16", "channels_last", "keras_mnist", "keras_gpt"]
     assert list(result["variants"]) == variants
@@ -99,6 +139,8 @@ def test_benchmark_runs_on_the_cpu_in_horovods_format(tmp_path):
             assert len(entry[loop]["iters"]) == 2 * 2 and len(entry[loop]["rounds"]) == 2
             assert entry[loop]["img_sec_per_device"] > 0
         assert entry["ratio"] == pytest.approx(statistics.median(entry["round_ratios"]))
+        assert entry["ratio_min"] == min(entry["round_ratios"])
+        assert entry["ratio_max"] == max(entry["round_ratios"])
         assert entry["meets_target"] == (entry["ratio"] >= result["target_ratio"] == 0.98)
     # What a person reads: Horovod's benchmark lines (per CPU here, per GPU on a GPU).
     lines = printed.splitlines()
@@ -112,7 +154,10 @@ def test_benchmark_runs_on_the_cpu_in_horovods_format(tmp_path):
                 if re.fullmatch(r"Total img/sec on 1 CPU\(s\): [\d.]+ \+-[\d.]+", l)]) == 10
     assert "keras_gpt, plain Keras fit:" in lines and "keras_gpt, hvdtrain.keras:" in lines
     for variant in variants:
-        assert any(l.startswith(f"Ratio hvdtrain / plain ({variant}): ") for l in lines)
+        assert any(re.fullmatch(rf"Ratio hvdtrain / plain \({variant}\): [\d.]+ \(median of 2 "
+                                rf"round\(s\), min [\d.]+, max [\d.]+; target >= 0.98: .*\)", l)
+                   for l in lines)
+    assert "2 round(s) (stopped by --time-budget) in " in printed
 
 
 def test_keras_variants_need_the_pytorch_backend(tmp_path):
@@ -161,3 +206,63 @@ def test_benchmark_names_a_torchvision_built_for_another_torch(tmp_path):
     assert "does not import (RuntimeError: operator torchvision::nms does not exist)" \
         in proc.stderr
     assert "built for another torch" in proc.stderr and "--model tiny" in proc.stderr
+
+
+# A stand-in for tests/gpu/rank_cases.py's job: its own serve() loop, with cases that pass, raise
+# or hang (no torch, no launcher).
+STAND_IN = '''
+import pathlib, sys, time
+sys.path.insert(0, {gpu!r})
+import rank_cases
+out, status, names = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3].split(",")
+def run(name):
+    if name == "boom":
+        raise RuntimeError("boom went the case")
+    if name == "hang":
+        time.sleep(600)
+    (out / name).mkdir(parents=True, exist_ok=True)
+    (out / name / "done.txt").write_text(name)
+    print("output of", name)
+sys.exit(rank_cases.serve(out, names, status, run, case_timeout_s=1.0))
+'''
+
+
+def test_shared_gpu_job_reports_each_case_and_runs_the_rest_after_a_hang(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "gpu"))
+    from gpujobs import Side, SharedRuns
+    stand_in = tmp_path / "stand_in.py"
+    stand_in.write_text(STAND_IN.format(gpu=str(ROOT / "tests" / "gpu")))
+    root = tmp_path / "jobs"
+
+    def copied(out):  # a side job that reads the files of the case it waited for
+        return [sys.executable, "-c", f"print(open({str(out / 'done.txt')!r}).read())"]
+    sides = {"after_first": Side(copied, after="first"), "after_boom": Side(copied, after="boom"),
+             "exits_3": Side(lambda out: [sys.executable, "-c", "import sys; sys.exit(3)"])}
+    runs = SharedRuns(root, cases=["first", "boom", "hang", "last"], sides=sides,
+                      job=lambda status, names: [sys.executable, str(stand_in), str(root),
+                                                 str(status), ",".join(names)],
+                      job_env_extra={}).start()
+    assert (runs.case("first") / "done.txt").read_text() == "first"
+    assert "output of first" in (root / "first.log").read_text()
+    with pytest.raises(pytest.fail.Exception) as failed:
+        runs.case("boom")
+    assert "shared GPU job, case 'boom': RuntimeError: boom went the case" in str(failed.value)
+    assert 'raise RuntimeError("boom went the case")' in str(failed.value)  # its traceback
+    with pytest.raises(pytest.fail.Exception) as hung:
+        runs.case("hang")
+    assert "case 'hang': the shared job ended (exit 1) during this case" in str(hung.value)
+    assert "Timeout (0:00:01)!" in str(hung.value)  # every thread's stack, in its output
+    assert (runs.case("last") / "done.txt").read_text() == "last"  # a new job ran it
+    assert [launch["cases"] for launch in runs.launches] == [["first", "boom", "hang", "last"],
+                                                              ["last"]]
+    assert runs.side("after_first").stdout.strip() == "first"  # a copy of the case's folder
+    with pytest.raises(pytest.fail.Exception, match="not run: it needs case 'boom', which failed"):
+        runs.side("after_boom")
+    assert runs.side("exits_3", check=False).returncode == 3
+    with pytest.raises(pytest.fail.Exception, match="side job 'exits_3': exited 3"):
+        runs.side("exits_3")
+    timings = runs.close()
+    assert {n: c["ok"] for n, c in timings["cases"].items()} == {
+        "first": True, "boom": False, "hang": False, "last": True}
+    assert [launch["exit"] for launch in timings["launches"]] == [1, 0]
+    assert json.loads((root / "timings.json").read_text()) == timings
