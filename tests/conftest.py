@@ -32,3 +32,21 @@ def horovodrun_mnist_torch(tmp_path_factory) -> SimpleNamespace:
         pytest.fail(f"{' '.join(argv)} exited {proc.returncode}\n--- stdout\n"
                     f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
     return SimpleNamespace(out=out, args=list(MNIST_TORCH_ARGS))
+
+
+# Keras reads keras.json (backend, float type, image layout) from KERAS_HOME, else ~/.keras: this
+# session and every process it starts get their own, set here (when pytest loads this file,
+# before any test module imports keras) so a user's settings never reach a test; removed at exit.
+# A pytest run inside a rank of such a session keeps the session's. tests/spark and tests/ray
+# give their clusters' processes their own as well.
+def _own_keras_home() -> str:
+    import atexit
+    import shutil
+    import tempfile
+    path = tempfile.mkdtemp(prefix="hvdtrain-keras-home-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+if not os.path.basename(os.environ.get("KERAS_HOME", "")).startswith("hvdtrain-keras-home-"):
+    os.environ["KERAS_HOME"] = _own_keras_home()

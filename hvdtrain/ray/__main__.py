@@ -10,11 +10,17 @@ Each rank is a child process of its Ray Train worker, with the ``HOROVOD_*`` var
 restarted ``hvdtrain train`` resumes from the last checkpoint in its ``--output-dir`` (which
 must be a path every node reaches). ``hvdtrain train`` options and the cluster's CPUs are
 checked before the group starts. Exit status: 0 when every rank succeeded; 1 when the ranks
-failed and Ray gave up; 2 on bad input or too few CPUs.
+failed and Ray gave up; 2 on bad input, too few CPUs, or a cluster that cannot be reached.
+
+Ray's token authentication works as for ``ray.init``: connecting to a local cluster found
+without ``--address`` turns it on when a token exists (``~/.ray/auth_token``,
+``RAY_AUTH_TOKEN_PATH`` or ``RAY_AUTH_TOKEN``); with ``--address`` (or ``RAY_ADDRESS``) Ray
+sends the token only under ``RAY_AUTH_MODE=token``, and a refusal says so.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -41,6 +47,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def connect_error(exc: BaseException, address: str | None) -> str:
+    """What to say when ``ray.init(address=address)`` raised ``exc``: the cluster and Ray's
+    reason, and, when the cluster refused this driver's token (Ray's ``AuthenticationError`` or
+    its ``InvalidAuthToken`` anywhere in the chain of causes: Ray passes the GCS client's error
+    on as text), how to give it one."""
+    chain, seen = [], exc
+    while seen is not None and len(chain) < 10:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    where = f"the Ray cluster at {address}" if address else "a Ray cluster"
+    if not any(type(e).__name__ == "AuthenticationError" or "InvalidAuthToken" in str(e)
+               for e in chain):
+        reasons = [(str(e).strip().splitlines() or [repr(e)])[0] for e in chain]
+        return f"cannot connect to {where}: " + "; ".join(dict.fromkeys(reasons))
+    token = ("the cluster's token in ~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN "
+             "(`ray get-auth-token` on its head prints it)")
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+        return f"{where} refused this driver's token: run with {token}"
+    return (f"{where} runs with token authentication (`ray start --head` turns it on where "
+            "~/.ray/auth_token exists) and refused this driver, which sent no token: given an "
+            "address (--address or RAY_ADDRESS), Ray sends one only with RAY_AUTH_MODE=token. "
+            f"Run with RAY_AUTH_MODE=token and {token}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -63,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     from hvdtrain.ray.job import NotEnoughResourcesError, RayJobError, run_command
-    ray.init(address=args.address, logging_level="WARNING", log_to_driver=True)
+    try:
+        ray.init(address=args.address, logging_level="WARNING", log_to_driver=True)
+    except (ConnectionError, ray.exceptions.AuthenticationError) as exc:
+        print(f"hvdtrain.ray: error: {connect_error(exc, args.address)}", file=sys.stderr)
+        return 2
     try:
         result = run_command(command, args.np, max_failures=args.max_failures,
                              storage_path=args.storage_path, name=args.name, env=env,

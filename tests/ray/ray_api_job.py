@@ -30,7 +30,9 @@ def train_fn(config):
             "ray_world_rank": ray.train.get_context().get_world_rank(),
             "engine": os.environ.get("HVDTRAIN_ENGINE"),
             "rendezvous": os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR"),
-            "iface": os.environ.get("HOROVOD_GLOO_IFACE"), "pid": os.getpid()}
+            "iface": os.environ.get("HOROVOD_GLOO_IFACE"), "pid": os.getpid(),
+            "home": str(Path.home()), "auth_mode": os.environ.get("RAY_AUTH_MODE"),
+            "keras_home": os.environ.get("KERAS_HOME")}
     Path(config["out"], f"rank{hvd.rank()}.json").write_text(json.dumps(seen))
     ray.train.report({"sum": total})
 

@@ -6,10 +6,19 @@ group (never ``ray stop``, which stops every Ray on the machine).
 
 Every port Ray opens is chosen here (free on 127.0.0.1 when chosen), so the cluster does not
 clash with another Ray on the machine; its session files live under its own ``--temp-dir``.
+
+Nothing comes from the user's home (:func:`ray_env`): every Ray process and driver gets this
+process's own HOME, Keras directory and Ray token, and the clusters run with token
+authentication on (``RAY_AUTH_MODE=token``, Ray's default for a new local cluster since 2.60).
+A user's ``~/.ray/auth_token`` (written by any plain ``ray.init()``) would otherwise turn
+authentication on in ``ray start --head`` only, and every driver given the address would be
+refused (``InvalidAuthToken``); the tests' HOME holds such a token, so every test runs with one.
 """
 from __future__ import annotations
 
+import atexit
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -50,12 +59,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_OWN: Path | None = None
+
+
+def own_dir() -> Path:
+    """This process's directory for what Ray and the ranks would read from the user's home,
+    made on first use and removed at exit:
+
+    - ``home/``: the HOME of every Ray process; its ``.ray/auth_token`` is a token no cluster
+      uses, as a user's home holds after a plain ``ray.init()``;
+    - ``auth_token``: the test clusters' token (``RAY_AUTH_TOKEN_PATH``);
+    - ``keras/``: ``KERAS_HOME`` (``keras.json``).
+    """
+    global _OWN
+    if _OWN is None:
+        _OWN = Path(tempfile.mkdtemp(prefix="hvdtrain-ray-own-"))
+        atexit.register(shutil.rmtree, _OWN, ignore_errors=True)
+        (_OWN / "home" / ".ray").mkdir(parents=True)
+        (_OWN / "home" / ".ray" / "auth_token").write_text(secrets.token_hex(32))
+        (_OWN / "auth_token").write_text(secrets.token_hex(32))
+        (_OWN / "keras").mkdir()
+    return _OWN
+
+
 def ray_env() -> dict:
-    """The environment of the Ray daemons and of drivers the tests start."""
-    env = dict(os.environ)
+    """The environment of the Ray daemons and of drivers the tests start: token authentication
+    with the clusters' own token (a user's ``RAY_AUTH_*`` variables dropped), and HOME and
+    ``KERAS_HOME`` under :func:`own_dir`; hvdtrain's dataset cache stays the user's
+    (``HVDTRAIN_CACHE``: MNIST is read from it, checked against pinned hashes)."""
+    from hvdtrain.datasets.mnist import cache_dir
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_")}
+    own = own_dir()
     env.update(RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1",
                OMPI_MCA_mpi_yield_when_idle="1", RAY_TRAIN_V2_ENABLED="1",
-               RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")  # 127.0.0.1 stays 127.0.0.1 (RAY_START)
+               RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",  # 127.0.0.1 stays 127.0.0.1 (RAY_START)
+               RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(own / "auth_token"),
+               HOME=str(own / "home"), KERAS_HOME=str(own / "keras"),
+               HVDTRAIN_CACHE=str(cache_dir()))
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     return env
 

@@ -90,6 +90,14 @@ def test_python_api_allreduce_on_two_nodes(ray_cluster, tmp_path):
         assert s["local_rank"] == 0 and s["local_size"] == 1 and s["cross_size"] == 2
         assert s["engine"] == "ray" and s["rendezvous"] == "127.0.0.1" and s["iface"] == "lo"
     assert seen[0]["pid"] != seen[1]["pid"]
+    # Nothing from the user's home: the workers have the tests' own HOME (holding a stray
+    # ~/.ray/auth_token, as after a plain ray.init()), Keras directory and token auth.
+    own = ray_env()
+    assert (Path(own["HOME"]) / ".ray" / "auth_token").read_text() != \
+        Path(own["RAY_AUTH_TOKEN_PATH"]).read_text()
+    for s in seen:
+        assert s["home"] == own["HOME"] and s["keras_home"] == own["KERAS_HOME"]
+        assert s["auth_mode"] == "token"
     # every server of the cluster listens on loopback only
     listening = ray_cluster.listening()
     assert listening and all(a.startswith(("127.0.0.1:", "::ffff:127.0.0.1:")) for a in listening), \
@@ -165,9 +173,11 @@ def test_worker_node_killed_mid_run_restarts_and_resumes(ray_cluster, tmp_path):
             assert proc.poll() is None, proc.communicate()[0][-4000:]
             assert time.monotonic() < deadline, "no epoch in 300 s"
             time.sleep(0.2)
-        time.sleep(1.0)
-        ranks = rank_processes(str(out))
-        assert set(ranks) == {"0", "1"}, ranks
+        ranks = rank_processes(str(out))  # both ranks, in epoch 2 (its steps take >= 9 s)
+        while set(ranks) != {"0", "1"}:
+            assert time.monotonic() < deadline, f"ranks {sorted(ranks)} only, in 300 s"
+            time.sleep(0.2)
+            ranks = rank_processes(str(out))
         node = ray_cluster.procs[1].pid  # the worker node's `ray start`
         victims = [p for p in ranks.values() if node in {a.pid for a in p.parents()}]
         assert len(victims) == 1, "one rank per node"
@@ -185,6 +195,24 @@ def test_worker_node_killed_mid_run_restarts_and_resumes(ray_cluster, tmp_path):
     assert [e["epoch"] for e in m["epochs"]] == [1, 2]
     assert m["engine"] == "ray" and m["size"] == 2
     assert not rank_processes(str(out)), "a rank process outlived the run"
+
+
+def test_an_address_without_ray_auth_mode_token_is_refused_saying_what_to_set(ray_cluster,
+                                                                              tmp_path):
+    """The cluster runs with token authentication (as `ray start --head` does where
+    ~/.ray/auth_token exists); given its address, Ray sends the token only under
+    RAY_AUTH_MODE=token, and hvdtrain.ray says so (exit 2) instead of Ray's traceback."""
+    env = {k: v for k, v in ray_env().items() if k != "RAY_AUTH_MODE"}
+    env["RAY_gcs_server_port_wait_time_s"] = "2"  # Ray's connection retries: 2 s, not 20
+    proc = subprocess.run(ray_train(ray_cluster, tmp_path / "x", tmp_path / "storage",
+                                    "--dataset", "digits"),
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    said = proc.stderr.splitlines()[-1]
+    assert said.startswith(f"hvdtrain.ray: error: the Ray cluster at {ray_cluster.address} "
+                           "runs with token authentication"), proc.stderr[-3000:]
+    assert "Run with RAY_AUTH_MODE=token" in said and "Traceback" not in proc.stderr
+    assert not (tmp_path / "storage").exists()  # nothing started
 
 
 def test_bad_input_fails_fast(ray_cluster, tmp_path):

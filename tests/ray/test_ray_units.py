@@ -43,3 +43,31 @@ def test_importing_hvdtrain_ray_imports_no_ray_and_bad_options_exit_2():
     proc = subprocess.run([sys.executable, "-m", "hvdtrain.ray", "-np", "0", "--", "true"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "-np must be >= 1" in proc.stderr
+
+
+def _raised(outer, cause):
+    try:
+        raise outer from cause
+    except type(outer) as exc:
+        return exc
+
+
+def test_a_refused_connection_says_what_to_set(monkeypatch):
+    # ray.init passes the GCS client's AuthenticationError on as the text of a RuntimeError.
+    from hvdtrain.ray.__main__ import connect_error
+    refused = _raised(ConnectionError("Failed to connect to Ray cluster at 10.0.0.1:6379"),
+                      RuntimeError("Failed to connect to GCS. Last connection error: Traceback"
+                                   "\nray.exceptions.AuthenticationError: RPC error: "
+                                   "InvalidAuthToken: Authentication token is missing"))
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    said = connect_error(refused, "10.0.0.1:6379")
+    assert said.startswith("the Ray cluster at 10.0.0.1:6379 runs with token authentication")
+    assert "Run with RAY_AUTH_MODE=token and the cluster's token in ~/.ray/auth_token" in said
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    assert connect_error(refused, "10.0.0.1:6379").startswith(
+        "the Ray cluster at 10.0.0.1:6379 refused this driver's token: run with the cluster's")
+    down = _raised(ConnectionError("Failed to connect to Ray cluster at 10.0.0.1:6379"),
+                   RuntimeError("Failed to connect to GCS at address 10.0.0.1:6379 within 20 s"))
+    assert connect_error(down, None) == (
+        "cannot connect to a Ray cluster: Failed to connect to Ray cluster at 10.0.0.1:6379; "
+        "Failed to connect to GCS at address 10.0.0.1:6379 within 20 s")

@@ -5,14 +5,22 @@ process this module starts and stops by its process id (nothing else is touched)
 
 Every service binds to 127.0.0.1 (``SPARK_LOCAL_IP`` and ``--host``); the pip package has no
 ``start-*.sh`` scripts, so the daemons are started with ``spark-class`` as the scripts would.
+
+Nothing comes from the user's home or Spark set-up (:func:`spark_env`): the daemons and drivers
+get this process's own Spark configuration directory (``spark-defaults.conf`` with its own
+``spark.jars.ivy``, where Spark would use ``~/.ivy2``), pyspark's own ``SPARK_HOME``, and
+their Python processes (drivers, workers, ranks) their own HOME and ``KERAS_HOME``.
 """
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,11 +42,39 @@ def spark_class() -> str:
     return str(Path(pyspark.__file__).parent / "bin" / "spark-class")
 
 
+_OWN: Path | None = None
+
+
+def own_dir() -> Path:
+    """This process's directory for what Spark and the ranks would read from the user's home
+    or Spark set-up, made on first use and removed at exit: ``home/`` (HOME), ``conf/``
+    (``SPARK_CONF_DIR``: ``spark-defaults.conf`` setting ``spark.jars.ivy`` to ``ivy/``) and
+    ``keras/`` (``KERAS_HOME``)."""
+    global _OWN
+    if _OWN is None:
+        _OWN = Path(tempfile.mkdtemp(prefix="hvdtrain-spark-own-"))
+        atexit.register(shutil.rmtree, _OWN, ignore_errors=True)
+        for name in ("home", "conf", "ivy", "keras"):
+            (_OWN / name).mkdir()
+        (_OWN / "conf" / "spark-defaults.conf").write_text(f"spark.jars.ivy {_OWN / 'ivy'}\n")
+    return _OWN
+
+
 def spark_env() -> dict:
-    """The environment of the daemons: loopback only, this interpreter for Python workers."""
-    env = dict(os.environ)
+    """The environment of the daemons: loopback only, this interpreter for Python workers, and
+    nothing from the user's home or Spark set-up (a user's ``SPARK_*`` and ``PYSPARK_*``
+    variables dropped; :func:`own_dir`). hvdtrain's dataset cache stays the user's
+    (``HVDTRAIN_CACHE``: MNIST is read from it, checked against pinned hashes)."""
+    import pyspark
+
+    from hvdtrain.datasets.mnist import cache_dir
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPARK_", "PYSPARK_"))}
+    own = own_dir()
     env.update(SPARK_LOCAL_IP=LOOPBACK, SPARK_LOCAL_HOSTNAME="localhost",
-               PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable)
+               PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable,
+               SPARK_HOME=str(Path(pyspark.__file__).parent), SPARK_CONF_DIR=str(own / "conf"),
+               HOME=str(own / "home"), KERAS_HOME=str(own / "keras"),
+               HVDTRAIN_CACHE=str(cache_dir()))
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     return env
 

@@ -21,7 +21,8 @@ def allreduce_job(scale=1.0):
     print(f"rank {hvd.rank()} of {hvd.size()} says hello", flush=True)
     return {"rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(),
             "sum": total * scale, "pid": os.getpid(), "gloo": hvd.gloo_enabled(),
-            "engine": os.environ.get("HVDTRAIN_ENGINE")}
+            "engine": os.environ.get("HVDTRAIN_ENGINE"), "home": os.environ.get("HOME"),
+            "keras_home": os.environ.get("KERAS_HOME")}
 
 
 def failing_job():
@@ -78,7 +79,7 @@ def main(master: str, out_path: str) -> None:
              .config("spark.ui.enabled", "false").config("spark.executor.memory", "768m")
              .config("spark.ui.showConsoleProgress", "false").getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
-    results = {}
+    results = {"ivy": spark.sparkContext.getConf().get("spark.jars.ivy")}
     try:
         out = io.StringIO()
         results["run"] = timed(lambda: hs.run(allreduce_job, 2, kwargs={"scale": 10.0},

@@ -35,15 +35,25 @@ def job(tmp_path, *args):
 
 def test_processes_pass_the_barrier_together(tmp_path):
     where = tmp_path / "barrier"
-    # The second job starts 1 s after the first: the first waits for it.
-    first = subprocess.Popen([*job(tmp_path, f"{where},2", "ok", "60"), "--json-out",
+    # The second job starts once the first is at the barrier: the first waits for it.
+    first = subprocess.Popen([*job(tmp_path, f"{where},2", "ok", "120"), "--json-out",
                               str(tmp_path / "a.json")])
-    time.sleep(1.0)
-    second = subprocess.run([*job(tmp_path, f"{where},2", "ok", "60"), "--json-out",
-                             str(tmp_path / "b.json")], timeout=60)
-    assert first.wait(timeout=60) == 0 and second.returncode == 0
+    try:
+        deadline = time.monotonic() + 120
+        while not (where.exists() and any(where.iterdir())):  # its ready-PID file
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        assert not (tmp_path / "a.json").exists()
+        second_started = time.perf_counter()  # CLOCK_MONOTONIC: the jobs' clock too
+        second = subprocess.run([*job(tmp_path, f"{where},2", "ok", "120"), "--json-out",
+                                 str(tmp_path / "b.json")], timeout=120)
+        assert first.wait(timeout=120) == 0 and second.returncode == 0
+    finally:
+        if first.poll() is None:
+            first.kill()
     a, b = (json.loads((tmp_path / f"{n}.json").read_text())["passed"] for n in "ab")
-    assert abs(a - b) < 0.5  # the first did not pass alone, 1 s before the second
+    assert a > second_started  # the first did not pass alone, before the second started
+    assert abs(a - b) < 0.5  # they passed together
 
 
 def test_a_barrier_nobody_else_reaches_times_out(tmp_path):

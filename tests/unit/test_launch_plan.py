@@ -117,9 +117,7 @@ def test_the_module_signals_this_hosts_ranks_of_one_launch(tmp_path):
     env = {**os.environ, signals.LAUNCH_ID_VAR: "t" * 32, "HOROVOD_RANK": "0"}
     proc = subprocess.Popen([sys.executable, "-c", rank], env=env)
     try:
-        while not (tmp_path / "ready").exists():
-            assert proc.poll() is None
-            time.sleep(0.02)
+        wait_for(tmp_path / "ready", proc)
         other = subprocess.run([sys.executable, "-m", "hvdtrain.launch.signals", "--signal",
                                 "USR1", "--launch-id", "u" * 32], capture_output=True, text=True)
         assert other.stdout.strip() == "0" and not got.exists()
@@ -167,50 +165,96 @@ def test_each_launch_gets_its_own_id_never_an_inherited_one(tmp_path):
     assert runner.launch_id != "f" * 32 and runner.env[signals.LAUNCH_ID_VAR] == runner.launch_id
 
 
-def _rank_that_catches_late(tmp_path, delay):
-    """A rank that installs its SIGUSR1 handler ``delay`` seconds after it starts (as hvdtrain
-    train does after Python's start-up) and writes 'usr1' when the signal comes."""
-    got = tmp_path / "got"
-    code = ("import signal, time, pathlib\n"
-            f"time.sleep({delay})\n"
-            f"p = pathlib.Path({str(got)!r})\n"
-            "signal.signal(signal.SIGUSR1, lambda *a: p.write_text('usr1'))\n"
-            "deadline = time.time() + 30\n"
-            "while not p.exists() and time.time() < deadline:\n"
-            "    time.sleep(0.02)\n")
+def wait_for(path, proc, timeout=120.0):
+    """Until file ``path`` exists (the event a child process writes), while ``proc`` runs.
+
+    Raises:
+        AssertionError: ``proc`` exited first, or ``timeout`` seconds passed.
+    """
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"the child exited with {proc.returncode} before {path.name}"
+        assert time.monotonic() < deadline, f"no {path.name} within {timeout:.0f} s"
+        time.sleep(0.01)
+
+
+def _rank_that_catches_late(tmp_path):
+    """A rank of launch 'h'*32 that writes ``started`` once running and installs its SIGUSR1
+    handler only when ``go`` appears (as hvdtrain train does seconds after Python's start-up);
+    the handler writes 'usr1' to ``got``. The rank then lives until ``release`` appears, so
+    that its ``SigCgt`` can be read after the signal; it exits 0. Files in ``tmp_path``; each
+    wait gives up after 120 s (exit 1)."""
+    code = ("import pathlib, signal, sys, time\n"
+            f"d = pathlib.Path({str(tmp_path)!r})\n"
+            "def wait(name):\n"
+            "    deadline = time.monotonic() + 120\n"
+            "    while not (d / name).exists():\n"
+            "        if time.monotonic() > deadline:\n"
+            "            sys.exit(f'no {name} within 120 s')\n"
+            "        time.sleep(0.01)\n"
+            "(d / 'started').write_text('')\n"
+            "wait('go')\n"
+            "signal.signal(signal.SIGUSR1, lambda *a: (d / 'got').write_text('usr1'))\n"
+            "wait('got')\n"
+            "wait('release')\n")
     env = {**os.environ, signals.LAUNCH_ID_VAR: "h" * 32, "HOROVOD_RANK": "0"}
-    return subprocess.Popen([sys.executable, "-c", code], env=env), got
+    return subprocess.Popen([sys.executable, "-c", code], env=env)
 
 
-def test_a_signal_is_held_until_the_rank_catches_it(tmp_path):
-    proc, got = _rank_that_catches_late(tmp_path, 1.0)
+def test_a_signal_is_held_until_the_rank_catches_it(tmp_path, monkeypatch):
+    proc = _rank_that_catches_late(tmp_path)
     try:
-        time.sleep(0.3)
+        wait_for(tmp_path / "started", proc)
         assert signals.catches(proc.pid, signal.SIGUSR1) is False
-        assert signals.signal_local_ranks(signal.SIGUSR1, "h" * 32, hold_s=20) == 1
-        assert signals.catches(proc.pid, signal.SIGUSR1) is True
-        assert proc.wait(timeout=30) == 0 and got.read_text() == "usr1"
+        # The rank installs its handler only once signal_local_ranks has found it not catching
+        # the signal: the order is fixed, whatever the machine's load.
+        seen, real = [], signals.catches
+
+        def catches(pid, sig, proc_root="/proc"):
+            seen.append(real(pid, sig, proc_root))
+            if seen[-1] is False:
+                (tmp_path / "go").touch()
+            return seen[-1]
+
+        monkeypatch.setattr(signals, "catches", catches)
+        assert signals.signal_local_ranks(signal.SIGUSR1, "h" * 32, hold_s=60) == 1
+        monkeypatch.undo()
+        assert seen[0] is False and seen[-1] is True  # held while the rank did not catch it
+        assert signals.catches(proc.pid, signal.SIGUSR1) is True  # alive until 'release'
+        wait_for(tmp_path / "got", proc)
+        (tmp_path / "release").touch()
+        assert proc.wait(timeout=60) == 0 and (tmp_path / "got").read_text() == "usr1"
     finally:
         if proc.poll() is None:
             proc.kill()
     # Without the hold the default action ends the rank and the request is lost.
-    (tmp_path / "again").mkdir()
-    proc, got = _rank_that_catches_late(tmp_path / "again", 1.0)
-    time.sleep(0.3)
-    assert signals.signal_local_ranks(signal.SIGUSR1, "h" * 32) == 1
-    assert proc.wait(timeout=30) == -signal.SIGUSR1 and not got.exists()
+    again = tmp_path / "again"
+    again.mkdir()
+    proc = _rank_that_catches_late(again)
+    try:
+        wait_for(again / "started", proc)
+        assert signals.signal_local_ranks(signal.SIGUSR1, "h" * 32) == 1
+        assert proc.wait(timeout=60) == -signal.SIGUSR1 and not (again / "got").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_a_rank_that_never_catches_it_gets_it_after_the_hold(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+    started = tmp_path / "started"
+    proc = subprocess.Popen([sys.executable, "-c", "import pathlib, signal, sys\n"
+                             "pathlib.Path(sys.argv[1]).touch()\nsignal.pause()\n",
+                             str(started)],
                             env={**os.environ, signals.LAUNCH_ID_VAR: "n" * 32,
                                  "HOROVOD_RANK": "0"})
     try:
-        time.sleep(0.3)
-        started = time.monotonic()
+        wait_for(started, proc)
+        began = time.monotonic()
         assert signals.signal_local_ranks(signal.SIGTERM, "n" * 32, hold_s=1.0) == 1
-        assert 0.9 < time.monotonic() - started < 5
-        assert proc.wait(timeout=10) == -signal.SIGTERM
+        # Held 1 s (the behaviour); the bound above only catches a hold that never ends, with
+        # room for a loaded machine (each round reads every process's /proc entry).
+        assert 0.9 < time.monotonic() - began < 30
+        assert proc.wait(timeout=60) == -signal.SIGTERM
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -270,7 +314,7 @@ def test_a_launcher_with_sigterm_blocked_lets_its_ranks_finish(tmp_path):
                     "def term(*_):\n    time.sleep(2)\n    sys.exit(75)\n"
                     "signal.signal(signal.SIGTERM, term)\n"
                     f"open({str(tmp_path / 'ready')!r}, 'w').close()\n"
-                    "time.sleep(30)\n")
+                    "signal.pause()\n")  # until the signal; the handler exits
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost slots=1\n")
     launch = plan(launch_args(hostfile=str(hosts), launcher="mpirun",
@@ -302,7 +346,10 @@ def test_a_signal_before_the_run_starts_is_kept_for_its_first_step():
     try:
         assert preempt.install_early() is early
         os.kill(os.getpid(), signal.SIGTERM)  # while the framework imports
-        time.sleep(0.05)
+        deadline = time.monotonic() + 60  # Python runs the handler in the main thread, soon
+        while signal.SIGTERM not in early.seen:
+            assert time.monotonic() < deadline, "the early handler never ran"
+            time.sleep(0.001)
         signals_ = preempt.taken()
         assert signals_ is early and signals_.flags() == [1.0, 0.0]
         signals_.__exit__()

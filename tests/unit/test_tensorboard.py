@@ -87,7 +87,12 @@ def test_elastic_epochs_survive_a_lost_rank_0(tmp_path):
     first = ElasticReport(tmp_path, {}, state, cfg, lambda: 3, lambda: True, None)
     first.board_epochs(state.history)
     first.close()  # as good as a SIGKILL: Board.epoch flushed already
-    time.sleep(1.1)  # event files are named by the second (then the pid) and read in that order
+    # Event files are named by the second (then the pid) and read in that order: the second
+    # file must be named by a later second than the first (at most 1 s to wait).
+    first_file, = (tmp_path / "tensorboard").iterdir()
+    named = int(first_file.name.split(".")[3])  # events.out.tfevents.SECONDS.HOST.PID...
+    while int(time.time()) <= named:
+        time.sleep(0.01)
     state.history = history
     second = ElasticReport(tmp_path, {}, state, cfg, lambda: 2, lambda: True, None)
     second.board_epochs(state.history[:2])
