@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs import horovodrun, job_env, keras_env
+from hvdtrain import runtime
+from jobs import horovodrun, job_env, keras_env, train_in
 from rankpool import TIMELINE_ENV, RankPool
 
 SIZE = 2
@@ -49,7 +50,14 @@ class Pools:
         return self.live[key]
 
     def keras(self, backend: str, **env) -> RankPool:
-        """The pool whose Keras runs on ``backend``."""
+        """The pool whose Keras runs on ``backend``. On TensorFlow its ranks start with the
+        intra- and inter-op threads ``hvdtrain.keras.init`` gives a launched rank: TensorFlow
+        takes them once, when its runtime starts, and a script that starts it first without
+        ``init`` (Horovod's own API) would leave every later run in the pool on other thread
+        counts, whose sums round differently (seen: 0.099 apart after 2 epochs)."""
+        if backend == "tensorflow":
+            threads = str(runtime.thread_budget(SIZE))
+            env = {"TF_NUM_INTRAOP_THREADS": threads, "TF_NUM_INTEROP_THREADS": threads, **env}
         return self.get({**keras_env(backend), **env})
 
     def close(self) -> None:
@@ -74,3 +82,11 @@ def ranks(pools) -> RankPool:
 def keras_ranks(pools, backend) -> RankPool:
     """The 2-rank pool whose Keras runs on ``backend`` (the test's ``backend``)."""
     return pools.keras(backend)
+
+
+@pytest.fixture
+def train_here(pools):
+    """``train_here(out, *args, framework="torch", backend="tensorflow", check=True)``:
+    ``hvdtrain train --no-progress`` with ``args`` inside the ranks of the pool for the framework
+    (:func:`jobs.train_in`); its :class:`rankpool.Done` (``.returncode``, ``.text``)."""
+    return lambda out, *args, **kw: train_in(pools, out, "--no-progress", *args, **kw)

@@ -1,12 +1,12 @@
 """The canonical DCGAN loop (pytorch/examples dcgan/main.py: D's gradients computed in G's step
 and zeroed at D's next step, two backward passes in D's step, nothing frozen) through
-hvdtrain.torch.distribute under `horovodrun -np 2`, against one process on the global batch
-(tests/parallel/torch_dcgan.py); and the mistakes that still raise."""
+hvdtrain.torch.distribute on 2 real ranks (the session's rank pool), against one process on the
+global batch (tests/parallel/torch_dcgan.py); and the mistakes that still raise."""
 import json
 
 import pytest
 
-from jobs import horovodrun, run, script
+from jobs import rank_script
 
 SIZE = 2
 D_PARAMS, G_PARAMS = 4, 4  # weight and bias of two layers each
@@ -14,9 +14,9 @@ STEPS = 5
 
 
 @pytest.fixture(scope="module")
-def dcgan(tmp_path_factory):
+def dcgan(pools, tmp_path_factory):
     out = tmp_path_factory.mktemp("dcgan") / "result.json"
-    run(horovodrun(SIZE, *script("torch_dcgan.py"), "--out", str(out)))
+    pools.get().run(rank_script("torch_dcgan.py"), "--out", out)
     return json.loads(out.read_text())
 
 

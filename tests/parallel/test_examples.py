@@ -1,11 +1,11 @@
-"""The examples the docs quote run as written under `horovodrun -np 2`."""
+"""The examples the docs quote run as written on 2 real ranks (the session's rank pools run the
+file as ``__main__``, as ``horovodrun -np 2 python examples/<name> OUT`` does)."""
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from jobs import Console, horovodrun, keras_env, run
+from jobs import keras_env
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -14,15 +14,14 @@ DOCS = Path(__file__).resolve().parents[2] / "docs"
 @pytest.mark.parametrize("name,keras_backend", [("pytorch_minimal.py", None),
                                                 ("keras_minimal.py", "tensorflow"),
                                                 ("keras_minimal.py", "torch")])
-def test_example_trains_to_95_percent(name, keras_backend, tmp_path):
+def test_example_trains_to_95_percent(pools, name, keras_backend, tmp_path):
     out = tmp_path / "result.json"
-    proc = run(horovodrun(2, sys.executable, str(EXAMPLES / name), str(out)),
-               env=keras_env(keras_backend) if keras_backend else None)
+    seen = pools.get(keras_env(keras_backend) if keras_backend else None).run(EXAMPLES / name,
+                                                                            out)
     result = json.loads(out.read_text())
     assert result["size"] == 2 and result["accuracy"] >= 0.95
     assert result.get("backend") == keras_backend
     # What the user reads: one line, from rank 0 only.
-    seen = Console.of(proc)
     assert f"held-out accuracy {result['accuracy']:.4f} on 2 ranks" in seen.rank(0)
     if keras_backend:
         assert f"({keras_backend} backend)" in seen.rank(0)

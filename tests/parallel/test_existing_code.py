@@ -1,22 +1,21 @@
-"""Code Horovod and PyTorch users already have, under `horovodrun -np 2` (README, "Your existing
-Horovod code"): Horovod's TensorFlow API with Keras 3 models, PyTorch optimizer habits on the
-optimizer distribute() returns, several models in one program. Each trained case is compared
-with one process training on the global batch, and the two ranks with each other."""
+"""Code Horovod and PyTorch users already have, on 2 real ranks (the session's rank pools) (README,
+"Your existing Horovod code"): Horovod's TensorFlow API with Keras 3 models, PyTorch optimizer
+habits on the optimizer distribute() returns, several models in one program. Each trained case is
+compared with one process training on the global batch, and the two ranks with each other."""
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from jobs import horovodrun, keras_env, run, script
+from jobs import rank_script
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.fixture(scope="module")
-def torch_habits(tmp_path_factory):
+def torch_habits(pools, tmp_path_factory):
     out = tmp_path_factory.mktemp("torch_habits") / "result.json"
-    run(horovodrun(2, *script("torch_habits.py"), "--out", str(out)))
+    pools.get().run(rank_script("torch_habits.py"), "--out", out)
     return json.loads(out.read_text())
 
 
@@ -41,10 +40,9 @@ def test_distribute_twice_says_what_to_do(torch_habits):
 
 
 @pytest.fixture(scope="module")
-def tf_habits(tmp_path_factory):
+def tf_habits(pools, tmp_path_factory):
     out = tmp_path_factory.mktemp("tf_habits") / "result.json"
-    run(horovodrun(2, *script("tf_habits.py"), "--out", str(out)),
-        env=keras_env("tensorflow"))
+    pools.keras("tensorflow").run(rank_script("tf_habits.py"), "--out", out)
     return json.loads(out.read_text())
 
 
@@ -71,10 +69,10 @@ def test_sync_batch_normalization_uses_the_global_batch_on_keras3(tf_habits):
     assert r["plain_vs_reference"] > 100 * max(r["vs_reference"], 1e-6)
 
 
-def test_gan_example_trains_two_models(tmp_path):
+def test_gan_example_trains_two_models(ranks, tmp_path):
     """examples/pytorch_gan.py: generator and discriminator, each through distribute()."""
     out = tmp_path / "gan.json"
-    run(horovodrun(2, sys.executable, str(EXAMPLES / "pytorch_gan.py"), str(out)))
+    ranks.run(EXAMPLES / "pytorch_gan.py", out)
     r = json.loads(out.read_text())
     assert r["size"] == 2 and r["rank_spread"] == 0.0
     # The generated digits' mean image is near the real one: 10x closer than a grey image.
@@ -82,10 +80,9 @@ def test_gan_example_trains_two_models(tmp_path):
 
 
 @pytest.fixture(scope="module", params=["tensorflow", "torch"])
-def keras_habits(request, tmp_path_factory):
+def keras_habits(request, pools, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"keras_habits_{request.param}") / "result.json"
-    run(horovodrun(2, *script("keras_habits.py"), "--out", str(out)),
-        env=keras_env(request.param))
+    pools.keras(request.param).run(rank_script("keras_habits.py"), "--out", out)
     result = json.loads(out.read_text())
     assert result["backend"] == request.param and result["size"] == 2
     return result

@@ -88,7 +88,7 @@ def test_ctrl_c_stops_every_rank_within_seconds_whatever_the_launcher(tmp_path, 
         if proc.poll() is None:
             proc.kill()
     print(f"{launcher}: the launch exited {proc.returncode} {seconds:.1f} s after SIGINT")
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # an event with a deadline for a loaded machine
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(alive(p) for p in pids), f"ranks left running after Ctrl-C:\n{output}"

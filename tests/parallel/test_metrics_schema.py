@@ -4,7 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from jobs import horovodrun, job_env, run
+from jobs import job_env
 
 from hvdtrain.run.report import RUN_RESULTS, RunHeader
 
@@ -23,12 +23,11 @@ def keys(obj, prefix=""):
     return out
 
 
-def test_same_metrics_keys_and_report(tmp_path):
+def test_same_metrics_keys_and_report(train_here, tmp_path):
     dirs = {}
-    for framework in ("torch", "keras"):
+    for framework in ("torch", "keras"):  # hvdtrain train in the session's rank pools
         dirs[framework] = tmp_path / framework
-        run(horovodrun(2, "hvdtrain", "train", "--framework", framework, "--epochs", "2",
-                       "--output-dir", str(dirs[framework]), "--no-progress"))
+        train_here(dirs[framework], "--epochs", "2", framework=framework)
     metrics = {f: json.loads((d / "metrics.json").read_text()) for f, d in dirs.items()}
     torch_keys = keys(metrics["torch"]) - {k for k in keys(metrics["torch"]) if k.startswith("versions.")}
     keras_keys = keys(metrics["keras"]) - {k for k in keys(metrics["keras"]) if k.startswith("versions.")}

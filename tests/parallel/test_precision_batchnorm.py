@@ -1,4 +1,5 @@
-"""`hvdtrain train` under `horovodrun -np 2` with what GPU jobs use, run on the CPU: BatchNorm
+"""`hvdtrain train` on 2 real ranks (the session's rank pools; `--device cuda` under a real
+`horovodrun -np 1`) with what GPU jobs use, run on the CPU: BatchNorm
 models (statistics equal on every rank), mixed precision (bf16 both frameworks, fp16 with a
 dynamic loss scale for PyTorch, composed with accumulation and the non-finite check), and the
 device choice. Numbers come from the metrics.json / checkpoint files the jobs write."""
@@ -7,7 +8,7 @@ import json
 import pytest
 import torch
 
-from jobs import KERAS_BACKENDS, Console, horovodrun, keras_env, run, script
+from jobs import KERAS_BACKENDS, Console, horovodrun, rank_script, run
 
 FRAMEWORKS = pytest.mark.parametrize("framework", ["torch", "keras"])
 
@@ -17,15 +18,15 @@ def train(out, *args, framework="torch", np_=2):
                       str(out), "--no-progress", *args)
 
 
+
 def metrics(out):
     return json.loads((out / "metrics.json").read_text())
 
 
 @pytest.mark.parametrize("backend", KERAS_BACKENDS)
-def test_keras_sync_buffers_averages_or_broadcasts(tmp_path, backend):
+def test_keras_sync_buffers_averages_or_broadcasts(keras_ranks, tmp_path, backend):
     out = tmp_path / "result.json"
-    run(horovodrun(2, *script("keras_sync_buffers.py"), "--out", str(out)),
-        env=keras_env(backend))
+    keras_ranks.run(rank_script("keras_sync_buffers.py"), "--out", out)
     r = json.loads(out.read_text())
     for op in ("average", "broadcast"):
         assert r[op]["variables"] == 2  # moving_mean, moving_variance
@@ -37,8 +38,8 @@ def test_keras_sync_buffers_averages_or_broadcasts(tmp_path, backend):
 
 
 @FRAMEWORKS
-def test_a_batchnorm_model_ends_equal_on_every_rank(tmp_path, framework):
-    run(train(tmp_path, "--batchnorm", "--epochs", "3", "-k", "2", framework=framework))
+def test_a_batchnorm_model_ends_equal_on_every_rank(train_here, tmp_path, framework):
+    train_here(tmp_path, "--batchnorm", "--epochs", "3", "-k", "2", framework=framework)
     m = metrics(tmp_path)
     # ranks_agree compares every rank's weights *and* BatchNorm statistics (a float64 checksum
     # gathered from all ranks); without sync_buffers they differ (the adapter tests show it).
@@ -50,8 +51,8 @@ def test_a_batchnorm_model_ends_equal_on_every_rank(tmp_path, framework):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_torch_mixed_precision_with_accumulation(tmp_path, precision):
-    run(train(tmp_path, "--precision", precision, "--batchnorm", "--epochs", "3", "-k", "2"))
+def test_torch_mixed_precision_with_accumulation(train_here, tmp_path, precision):
+    train_here(tmp_path, "--precision", precision, "--batchnorm", "--epochs", "3", "-k", "2")
     m = metrics(tmp_path)
     assert m["precision"] == precision and m["device"] == "cpu"
     assert m["ranks_agree"] is True and m["skipped_steps"] == 0 and m["overflow_steps"] == 0
@@ -60,10 +61,10 @@ def test_torch_mixed_precision_with_accumulation(tmp_path, precision):
     assert (scaler is not None) == (precision == "fp16")
 
 
-def test_fp16_overflow_is_skipped_by_the_scaler_not_counted_as_a_failure(tmp_path):
+def test_fp16_overflow_is_skipped_by_the_scaler_not_counted_as_a_failure(train_here, tmp_path):
     # A loss scale of 1e12 overflows fp16 gradients until the scaler has halved it ~24 times.
-    run(train(tmp_path, "--precision", "fp16", "--init-loss-scale", "1e12", "--epochs", "3",
-              "-k", "2"))
+    train_here(tmp_path, "--precision", "fp16", "--init-loss-scale", "1e12", "--epochs", "3",
+               "-k", "2")
     m = metrics(tmp_path)
     assert m["overflow_steps"] >= 10 and m["skipped_steps"] == 0 and m["ranks_agree"] is True
     steps = sum(e["optimizer_steps"] for e in m["epochs"])
@@ -72,25 +73,26 @@ def test_fp16_overflow_is_skipped_by_the_scaler_not_counted_as_a_failure(tmp_pat
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["scaler"]["scale"] < 1e6
 
 
-def test_fp16_nan_loss_is_a_failure_not_an_overflow(tmp_path):
-    proc = run(train(tmp_path, "--precision", "fp16", "--epochs", "1", "-k", "2",
-                     "--fault-nan-at", "1:5"))
+def test_fp16_nan_loss_is_a_failure_not_an_overflow(train_here, tmp_path):
+    proc = train_here(tmp_path, "--precision", "fp16", "--epochs", "1", "-k", "2",
+                      "--fault-nan-at", "1:5")
     m = metrics(tmp_path)
     assert m["skipped_steps"] == 1 and m["overflow_steps"] == 0 and m["ranks_agree"] is True
-    assert "non-finite loss on rank(s) [1] at optimizer step 5" in Console.of(proc).text
+    assert "non-finite loss on rank(s) [1] at optimizer step 5" in proc.text
 
 
-def test_keras_bf16(tmp_path):
-    run(train(tmp_path, "--precision", "bf16", "--epochs", "3", framework="keras"))
+def test_keras_bf16(train_here, tmp_path):
+    train_here(tmp_path, "--precision", "bf16", "--epochs", "3", framework="keras")
     m = metrics(tmp_path)
     assert m["precision"] == "bf16" and m["ranks_agree"] is True
     assert m["epochs"][-1]["test_accuracy"] > 0.85
 
 
-def test_keras_fp16_overflow_is_skipped_on_every_rank_not_counted_as_a_failure(tmp_path):
+def test_keras_fp16_overflow_is_skipped_on_every_rank_not_counted_as_a_failure(train_here,
+                                                                               tmp_path):
     # Keras's LossScaleOptimizer around the distributed one; its overflow check is all-reduced.
-    run(train(tmp_path, "--precision", "fp16", "--init-loss-scale", "1e12", "--epochs", "2",
-              framework="keras"))
+    train_here(tmp_path, "--precision", "fp16", "--init-loss-scale", "1e12", "--epochs", "2",
+               framework="keras")
     m = metrics(tmp_path)
     assert m["precision"] == "fp16" and m["ranks_agree"] is True
     assert m["overflow_steps"] >= 10 and m["skipped_steps"] == 0
@@ -99,12 +101,12 @@ def test_keras_fp16_overflow_is_skipped_on_every_rank_not_counted_as_a_failure(t
     assert m["epochs"][-1]["test_accuracy"] > 0.5
 
 
-def test_keras_fp16_nan_loss_is_a_failure_not_an_overflow(tmp_path):
-    proc = run(train(tmp_path, "--precision", "fp16", "--epochs", "1", "--fault-nan-at", "1:5",
-                     framework="keras"))
+def test_keras_fp16_nan_loss_is_a_failure_not_an_overflow(train_here, tmp_path):
+    proc = train_here(tmp_path, "--precision", "fp16", "--epochs", "1", "--fault-nan-at", "1:5",
+                      framework="keras")
     m = metrics(tmp_path)
     assert m["skipped_steps"] == 1 and m["overflow_steps"] == 0 and m["ranks_agree"] is True
-    assert "non-finite loss on rank(s) [1] at optimizer step 5" in Console.of(proc).text
+    assert "non-finite loss on rank(s) [1] at optimizer step 5" in proc.text
 
 
 def test_device_cuda_without_a_gpu_says_so(tmp_path):

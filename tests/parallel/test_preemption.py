@@ -1,4 +1,5 @@
-"""Preemption under real `horovodrun -np 2` jobs, both trainers: SIGTERM or SIGUSR1 on one rank
+"""Preemption under real `horovodrun -np 2` jobs, both trainers (the uninterrupted references and
+the resumes run in the session's rank pools: `hvdtrain train` inside 2 long-lived ranks): SIGTERM or SIGUSR1 on one rank
 mid-epoch stops every rank after the same optimizer step, rank 0 writes a mid-epoch checkpoint,
 the job exits 75, and `--resume auto` continues to the same weights as an uninterrupted run.
 `--resume auto` with no checkpoint starts fresh. The Slurm drill (scancel) is in tests/slurm/."""
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from jobs import Console
-from test_reliability import load_checkpoint, metrics, pids_of, run, start, train
+from test_reliability import load_checkpoint, metrics, pids_of, start, train
 
 # A cosine schedule: the rate changes at every step, so a resumed run on another point of the
 # curve would show in the weights and the recorded rates.
@@ -53,10 +54,10 @@ def preempt(out, args, framework, sig, rank="1"):
 
 @pytest.mark.parametrize("framework,sig", [("torch", signal.SIGUSR1), ("keras", signal.SIGTERM)])
 def test_signal_mid_epoch_checkpoints_and_resume_auto_matches_an_uninterrupted_run(
-        tmp_path, framework, sig):
+        train_here, tmp_path, framework, sig):
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     extra = ["--dropout", "0.1"] if framework == "torch" else []  # RNG restored mid-epoch too
-    run(train(whole, *ARGS, *extra, framework=framework))
+    train_here(whole, *ARGS, *extra, framework=framework)
     proc, output, seconds = preempt(broken, [*ARGS, *extra, *SLOW_FROM_EPOCH_2, "--resume", "auto"],
                                     framework, sig)
     assert proc.returncode == EXIT_PREEMPTED, output[-3000:]
@@ -67,7 +68,7 @@ def test_signal_mid_epoch_checkpoints_and_resume_auto_matches_an_uninterrupted_r
     record, _ = load_checkpoint(broken, framework)
     assert record["epoch"] == 1 and record["batch"] == stopped["batch"]
     assert "not a Slurm job: not requeued" in Console(output).text
-    run(train(broken, *ARGS, *extra, "--resume", "auto", framework=framework))
+    train_here(broken, *ARGS, *extra, "--resume", "auto", framework=framework)
     resumed, reference = metrics(broken), metrics(whole)
     assert resumed["resumed_from"]["batch"] == stopped["batch"] and resumed["preempted"] is None
     diff = np.abs(load_checkpoint(broken, framework)[1] - load_checkpoint(whole, framework)[1])
@@ -82,12 +83,11 @@ def test_signal_mid_epoch_checkpoints_and_resume_auto_matches_an_uninterrupted_r
 
 
 @pytest.mark.parametrize("framework", ["torch", "keras"])
-def test_resume_auto_without_a_checkpoint_starts_fresh(tmp_path, framework):
-    proc = run(train(tmp_path, "--epochs", "1", "--no-progress", "--resume", "auto",
-                     framework=framework))
+def test_resume_auto_without_a_checkpoint_starts_fresh(train_here, tmp_path, framework):
+    proc = train_here(tmp_path, "--epochs", "1", "--resume", "auto", framework=framework)
     m = metrics(tmp_path)
     assert m["resumed_from"] is None and len(m["epochs"]) == 1
-    assert "--resume auto: no checkpoint" in Console.of(proc).text
+    assert "--resume auto: no checkpoint" in proc.text
 
 
 def test_hvdtrain_launch_passes_sigusr1_on_to_the_ranks(tmp_path):
@@ -155,5 +155,7 @@ def test_sigterm_to_hvdtrain_launch_reaches_the_ranks_through_every_launcher(tmp
     assert stopped["seconds_to_checkpoint"] > 0
     record, _ = load_checkpoint(out, "torch")
     assert record["epoch"] == 1 and record["batch"] == stopped["batch"]
-    time.sleep(1)
+    deadline = time.monotonic() + 60  # the launcher has ended; its ranks go within seconds
+    while pids_of(str(out)) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert pids_of(str(out)) == {}, "ranks left running after the launcher ended"

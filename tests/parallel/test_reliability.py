@@ -1,5 +1,7 @@
-"""Faults under real `horovodrun` jobs: a killed rank, a killed job resumed, a corrupt checkpoint,
-a NaN on one rank, data that does not divide among the ranks; both trainers where both apply."""
+"""Faults: under real `horovodrun` jobs a killed rank, a killed job resumed, a resume at another
+world size and data that does not divide among 3 ranks; in the session's rank pools (`hvdtrain
+train` inside 2 long-lived ranks) a corrupt checkpoint, a NaN on one rank and resumes with another
+k; both trainers where both apply."""
 import contextlib
 import json
 import os
@@ -99,18 +101,20 @@ def test_killed_rank_ends_the_job_with_its_rank_named(tmp_path, framework):
     assert proc.returncode != 0
     seen = Console(output).text
     assert "rank 1" in seen and "signal 9" in seen, output[-2000:]
-    time.sleep(1)
+    deadline = time.monotonic() + 60  # the launcher has ended; its ranks go within seconds
+    while pids_of(str(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert pids_of(str(tmp_path)) == {}, "processes were left behind"
     record, weights = load_checkpoint(tmp_path, framework)
     assert record["epoch"] >= 1 and record["size"] == 2 and np.isfinite(weights).all()
 
 
 @FRAMEWORKS
-def test_job_killed_after_epoch_2_resumes_to_the_same_weights(tmp_path, framework):
+def test_job_killed_after_epoch_2_resumes_to_the_same_weights(train_here, tmp_path, framework):
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     args = ["--dataset", "synthetic", "--synthetic-samples", "10000", "--no-progress",
             "--epochs", "4", "-k", "2"]
-    run(train(whole, *args, framework=framework))
+    train_here(whole, *args, framework=framework)  # the uninterrupted run, in the pool
     # 8,000 training samples / (2 ranks x 16 x k=2) = 125 optimizer steps per epoch: from the
     # first step of epoch 3 (step 250) each step takes >= 0.05 s, so epoch 3 lasts >= 6 s on any
     # machine, and the kill below lands in it (an epoch of 10,000 samples took 0.5 s on a fast
@@ -141,9 +145,8 @@ def test_job_killed_after_epoch_2_resumes_to_the_same_weights(tmp_path, framewor
 
 
 @FRAMEWORKS
-def test_resume_at_another_world_size_rescales_the_lr(tmp_path, framework):
-    run(train(tmp_path, "--epochs", "2", "--warmup-epochs", "0", "--no-progress",
-              framework=framework))
+def test_resume_at_another_world_size_rescales_the_lr(train_here, tmp_path, framework):
+    train_here(tmp_path, "--epochs", "2", "--warmup-epochs", "0", framework=framework)
     run(train(tmp_path, "--epochs", "3", "--warmup-epochs", "0", "--resume", "--no-progress",
               np_=1, framework=framework))
     m = metrics(tmp_path)
@@ -154,29 +157,27 @@ def test_resume_at_another_world_size_rescales_the_lr(tmp_path, framework):
 
 
 @FRAMEWORKS
-def test_corrupt_checkpoint_falls_back_to_the_previous_one(tmp_path, framework):
+def test_corrupt_checkpoint_falls_back_to_the_previous_one(train_here, tmp_path, framework):
     newest, previous = CHECKPOINT[framework]
-    run(train(tmp_path, "--epochs", "3", "--no-progress", framework=framework))
+    train_here(tmp_path, "--epochs", "3", framework=framework)
     ckpt = tmp_path / newest
     ckpt.write_bytes(ckpt.read_bytes()[: ckpt.stat().st_size // 2])  # truncated
-    proc = run(train(tmp_path, "--epochs", "4", "--resume", "--no-progress", framework=framework))
-    assert f"{newest} is unreadable" in Console.of(proc).text
+    proc = train_here(tmp_path, "--epochs", "4", "--resume", framework=framework)
+    assert f"{newest} is unreadable" in proc.text
     m = metrics(tmp_path)
     assert m["resumed_from"]["epoch"] == 2 and len(m["epochs"]) == 4
     # Neither file usable: a clear error, non-zero exit, nothing trained.
     (tmp_path / newest).write_bytes(b"garbage")
     (tmp_path / previous).write_bytes(b"garbage")
-    proc = run(train(tmp_path, "--epochs", "5", "--resume", "--no-progress",
-                     framework=framework), check=False)
+    proc = train_here(tmp_path, "--epochs", "5", "--resume", framework=framework, check=False)
     assert proc.returncode != 0
-    assert "--resume: no usable checkpoint" in Console.of(proc).text
+    assert "--resume: no usable checkpoint" in proc.text
 
 
 @FRAMEWORKS
-def test_nan_on_one_rank_skips_the_step_on_all_ranks(tmp_path, framework):
-    proc = run(train(tmp_path, "--epochs", "2", "--fault-nan-at", "1:5", "--no-progress",
-                     framework=framework))
-    assert "non-finite loss on rank(s) [1] at optimizer step 5" in Console.of(proc).text
+def test_nan_on_one_rank_skips_the_step_on_all_ranks(train_here, tmp_path, framework):
+    proc = train_here(tmp_path, "--epochs", "2", "--fault-nan-at", "1:5", framework=framework)
+    assert "non-finite loss on rank(s) [1] at optimizer step 5" in proc.text
     m = metrics(tmp_path)
     assert m["skipped_steps"] == 1 and m["ranks_agree"] is True
     assert all(np.isfinite(e["train_loss"]) for e in m["epochs"])
@@ -188,12 +189,12 @@ def test_nan_on_one_rank_skips_the_step_on_all_ranks(tmp_path, framework):
 
 
 @FRAMEWORKS
-def test_nan_with_stop_ends_the_job_with_a_clear_message(tmp_path, framework):
-    proc = run(train(tmp_path, "--epochs", "2", "-k", "2", "--fault-nan-at", "0:3",
-                     "--on-nonfinite", "stop", "--no-progress", framework=framework), check=False)
-    assert proc.returncode == 1
-    assert "non-finite loss on rank(s) [0] at optimizer step 3" in Console.of(proc).text
-    assert "--on-nonfinite stop" in Console.of(proc).text
+def test_nan_with_stop_ends_the_job_with_a_clear_message(train_here, tmp_path, framework):
+    proc = train_here(tmp_path, "--epochs", "2", "-k", "2", "--fault-nan-at", "0:3",
+                      "--on-nonfinite", "stop", framework=framework, check=False)
+    assert proc.codes == {0: 1, 1: 1}  # every rank stops with exit status 1
+    assert "non-finite loss on rank(s) [0] at optimizer step 3" in proc.text
+    assert "--on-nonfinite stop" in proc.text
     # Rank 0 recorded the stop before the ranks stopped together (no epoch was finished).
     m = metrics(tmp_path)
     assert m["nonfinite_stop"].startswith("non-finite loss on rank(s) [0] at optimizer step 3")
@@ -214,12 +215,13 @@ def test_data_that_does_not_divide_among_ranks(tmp_path, framework):
     assert m["size"] == 3 and m["ranks_agree"] is True and len(m["epochs"]) == 2
 
 
-def test_keras_torch_backend_nan_with_accumulation_skips_one_step_and_trains_on(tmp_path):
+def test_keras_torch_backend_nan_with_accumulation_skips_one_step_and_trains_on(train_here,
+                                                                               tmp_path):
     # The torch backend resets Keras's gradient accumulators by multiplying them by 0, which
     # keeps a NaN; the skipped step must leave them at 0, or every later step would be skipped.
-    proc = run(train(tmp_path, "--epochs", "3", "-k", "2", "--fault-nan-at", "1:5",
-                     "--keras-backend", "torch", "--no-progress", framework="keras"))
-    assert "non-finite loss on rank(s) [1] at optimizer step 5" in Console.of(proc).text
+    proc = train_here(tmp_path, "--epochs", "3", "-k", "2", "--fault-nan-at", "1:5",
+                      framework="keras", backend="torch")
+    assert "non-finite loss on rank(s) [1] at optimizer step 5" in proc.text
     m = metrics(tmp_path)
     assert m["versions"]["keras_backend"] == "torch"
     assert m["skipped_steps"] == 1 and m["ranks_agree"] is True
@@ -229,13 +231,12 @@ def test_keras_torch_backend_nan_with_accumulation_skips_one_step_and_trains_on(
     assert accuracy[0] < accuracy[1] < accuracy[2] and accuracy[2] > 0.6
 
 
-def test_keras_resume_with_another_k_starts_whole_groups(tmp_path):
+def test_keras_resume_with_another_k_starts_whole_groups(train_here, tmp_path):
     # Before: the micro-batch counter of a -k 2 checkpoint (44 micro-batches) was kept under
     # -k 3, so the first resumed step applied one micro-batch's gradient / 3 and the run ended
     # in the middle of a group: 29 optimizer steps, accumulators not empty.
-    run(train(tmp_path, "--epochs", "1", "-k", "2", "--no-progress", framework="keras"))
-    run(train(tmp_path, "--epochs", "2", "-k", "3", "--resume", "--no-progress",
-              framework="keras"))
+    train_here(tmp_path, "--epochs", "1", "-k", "2", framework="keras")
+    train_here(tmp_path, "--epochs", "2", "-k", "3", "--resume", framework="keras")
     m = metrics(tmp_path)
     assert m["steps_per_epoch"] == 15  # 45 micro-batches of k=3 per epoch
     record, _ = load_checkpoint(tmp_path, "keras")

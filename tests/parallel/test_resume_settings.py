@@ -1,5 +1,6 @@
-"""What a `--resume` does with the options given at the resume, both trainers, under real
-`horovodrun -np 2` jobs (issue #37, items 6 and 7). Every number comes from the files the jobs
+"""What a `--resume` does with the options given at the resume, both trainers, on 2 real
+ranks: `hvdtrain train` inside the session's rank pools, the elastic run under a real `hvdtrain
+launch --elastic` (issue #37, items 6 and 7). Every number comes from the files the jobs
 write (checkpoints, metrics.json), never from their output.
 
 - Optimizer settings are this run's, the state the checkpoint's: `--momentum` and `--lr` at a
@@ -18,15 +19,14 @@ import numpy as np
 import pytest
 import torch
 
-from jobs import BIN, horovodrun, run
+from jobs import BIN, run
 
 FRAMEWORKS = pytest.mark.parametrize("framework", ["torch", "keras"])
 COMMON = ["--dataset", "digits", "--warmup-epochs", "0", "--no-progress"]
 
 
-def train(out, *args, framework):
-    return run(horovodrun(2, "hvdtrain", "train", "--framework", framework, "--output-dir",
-                          str(out), *COMMON, *args))
+def train(train_here, out, *args, framework):
+    return train_here(out, *COMMON, *args, framework=framework)
 
 
 def metrics(out):
@@ -55,9 +55,9 @@ def keras_checkpoint(out, name="checkpoint.npz"):
 
 
 @FRAMEWORKS
-def test_resume_uses_the_momentum_and_lr_given_at_the_resume(tmp_path, framework):
-    train(tmp_path, "--epochs", "1", "--momentum", "0.9", framework=framework)
-    train(tmp_path, "--epochs", "2", "--momentum", "0.0", "--lr", "0.01", "--resume",
+def test_resume_uses_the_momentum_and_lr_given_at_the_resume(train_here, tmp_path, framework):
+    train(train_here, tmp_path, "--epochs", "1", "--momentum", "0.9", framework=framework)
+    train(train_here, tmp_path, "--epochs", "2", "--momentum", "0.0", "--lr", "0.01", "--resume",
           framework=framework)
     m = metrics(tmp_path)
     assert m["resumed_from"]["epoch"] == 1 and len(m["epochs"]) == 2
@@ -88,9 +88,10 @@ def test_resume_uses_the_momentum_and_lr_given_at_the_resume(tmp_path, framework
 
 
 @FRAMEWORKS
-def test_resume_with_another_init_loss_scale_starts_the_scale_there(tmp_path, framework):
-    train(tmp_path, "--epochs", "1", "--precision", "fp16", framework=framework)
-    train(tmp_path, "--epochs", "2", "--precision", "fp16", "--init-loss-scale", "8",
+def test_resume_with_another_init_loss_scale_starts_the_scale_there(train_here, tmp_path,
+                                                                   framework):
+    train(train_here, tmp_path, "--epochs", "1", "--precision", "fp16", framework=framework)
+    train(train_here, tmp_path, "--epochs", "2", "--precision", "fp16", "--init-loss-scale", "8",
           "--resume", framework=framework)
     if framework == "torch":
         first = torch_checkpoint(tmp_path, "checkpoint.prev.pt")["scaler"]["scale"]
@@ -105,9 +106,9 @@ def test_resume_with_another_init_loss_scale_starts_the_scale_there(tmp_path, fr
 
 
 @FRAMEWORKS
-def test_resume_from_k1_to_k2_on_both_trainers(tmp_path, framework):
-    train(tmp_path, "--epochs", "1", framework=framework)
-    train(tmp_path, "--epochs", "2", "-k", "2", "--resume", framework=framework)
+def test_resume_from_k1_to_k2_on_both_trainers(train_here, tmp_path, framework):
+    train(train_here, tmp_path, "--epochs", "1", framework=framework)
+    train(train_here, tmp_path, "--epochs", "2", "-k", "2", "--resume", framework=framework)
     m = metrics(tmp_path)
     assert m["global_batch"] == 64 and m["backward_passes_per_step"] == 2
     steps = [e["optimizer_steps"] for e in m["epochs"]]
@@ -123,7 +124,7 @@ def test_resume_from_k1_to_k2_on_both_trainers(tmp_path, framework):
 
 
 @FRAMEWORKS
-def test_a_failed_elastic_run_continues_at_a_fixed_size(tmp_path, framework):
+def test_a_failed_elastic_run_continues_at_a_fixed_size(train_here, tmp_path, framework):
     discover = tmp_path / "discover.sh"
     discover.write_text("#!/bin/sh\necho localhost:2\n")
     discover.chmod(0o755)
@@ -135,7 +136,7 @@ def test_a_failed_elastic_run_continues_at_a_fixed_size(tmp_path, framework):
     elastic = metrics(out)
     assert elastic["elastic"] is True and [e["sizes"] for e in elastic["epochs"]] == [[2], [2]]
     # Before: TypeError: EpochMetrics.__init__() got an unexpected keyword argument 'samples'.
-    train(out, "--epochs", "3", "--resume", framework=framework)
+    train(train_here, out, "--epochs", "3", "--resume", framework=framework)
     m = metrics(out)
     assert m["elastic"] is False and m["resumed_from"]["epoch"] == 2
     assert [e["epoch"] for e in m["epochs"]] == [1, 2, 3]

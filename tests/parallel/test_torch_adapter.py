@@ -7,15 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-from jobs import horovodrun, run, script
+from jobs import horovodrun, rank_script, run, script, train_in
 
 SIZE = 2
 
 
 @pytest.fixture(scope="module")
-def checks(tmp_path_factory):
+def checks(pools, tmp_path_factory):
     out = tmp_path_factory.mktemp("checks") / "result.json"
-    run(horovodrun(SIZE, *script("torch_adapter_checks.py"), "--out", str(out)))
+    pools.get().run(rank_script("torch_adapter_checks.py"), "--out", out)
     return json.loads(out.read_text())
 
 
@@ -81,9 +81,6 @@ def test_state_broadcast_memory_stays_near_the_state_size(tmp_path):
     assert other["rise_bytes"] < 1.25 * state
 
 
-def _train(out, *extra, np_=SIZE):
-    return horovodrun(np_, "hvdtrain", "train", "--framework", "torch", "--output-dir", str(out),
-                      "--no-progress", *extra)
 
 
 def _weights(out):
@@ -91,14 +88,14 @@ def _weights(out):
     return np.concatenate([v.double().numpy().ravel() for v in state.values()])
 
 
-def test_resume_inside_the_warmup_with_dropout_is_exact(tmp_path):
+def test_resume_inside_the_warmup_with_dropout_is_exact(pools, tmp_path):
     # Dropout draws from every rank's RNG; the warmup spans 2 of the 3 epochs and the run
     # is stopped after epoch 1, inside it.
     args = ["--dropout", "0.3", "--warmup-epochs", "2", "-k", "2", "--batch-size", "8"]
     whole, split = tmp_path / "whole", tmp_path / "split"
-    run(_train(whole, "--epochs", "3", *args))
-    run(_train(split, "--epochs", "1", *args))
-    run(_train(split, "--epochs", "3", "--resume", *args))
+    train_in(pools, whole, "--no-progress", "--epochs", "3", *args)
+    train_in(pools, split, "--no-progress", "--epochs", "1", *args)
+    train_in(pools, split, "--no-progress", "--epochs", "3", "--resume", *args)
     a = json.loads((whole / "metrics.json").read_text())
     b = json.loads((split / "metrics.json").read_text())
     assert b["resumed_from"]["epoch"] == 1
@@ -109,8 +106,8 @@ def test_resume_inside_the_warmup_with_dropout_is_exact(tmp_path):
 
 @pytest.mark.parametrize("option", [["--op", "adasum", "--lr-scaling", "none"],
                                     ["--compression", "fp16"]])
-def test_adasum_and_fp16_compression_train_the_main_job(tmp_path, option):
-    run(_train(tmp_path, "--epochs", "8", *option))
+def test_adasum_and_fp16_compression_train_the_main_job(pools, tmp_path, option):
+    train_in(pools, tmp_path, "--no-progress", "--epochs", "8", *option)
     m = json.loads((tmp_path / "metrics.json").read_text())
     assert m["ranks_agree"] is True and m["skipped_steps"] == 0
     assert m["final_test_accuracy"] >= 0.9, m["epochs"][-1]

@@ -1,18 +1,18 @@
-"""hvdtrain.torch under `horovodrun -np 2` for what GPU jobs rely on, checked on the CPU:
-channels_last models and BatchNorm statistics (tests/parallel/torch_layout_checks.py)."""
+"""hvdtrain.torch on 2 real ranks (the session's rank pool) for what GPU jobs rely on, checked on
+the CPU: channels_last models and BatchNorm statistics (tests/parallel/torch_layout_checks.py)."""
 import json
 
 import pytest
 
-from jobs import horovodrun, run, script
+from jobs import rank_script
 
 SIZE = 2
 
 
 @pytest.fixture(scope="module")
-def checks(tmp_path_factory):
+def checks(pools, tmp_path_factory):
     out = tmp_path_factory.mktemp("layout") / "result.json"
-    run(horovodrun(SIZE, *script("torch_layout_checks.py"), "--out", str(out)))
+    pools.get().run(rank_script("torch_layout_checks.py"), "--out", out)
     return json.loads(out.read_text())
 
 

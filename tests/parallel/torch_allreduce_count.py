@@ -66,8 +66,11 @@ def main() -> None:
     hvd_optimizer.allreduce_async_ = counting_allreduce_async_
     os.environ["HOROVOD_TIMELINE"] = "DYNAMIC"  # allow start_timeline/stop_timeline
     info = ht.init(seed=0)
-    result = {f"k{k}": one_epoch(k, info, args.samples, args.batch_size, f"{args.out}.k{k}.timeline")
-              for k in (1, 4)}
+    try:
+        result = {f"k{k}": one_epoch(k, info, args.samples, args.batch_size,
+                                     f"{args.out}.k{k}.timeline") for k in (1, 4)}
+    finally:  # put back: a rank pool runs other scripts in this process after this one
+        hvd_optimizer.allreduce_async_ = _real
     if info.rank == 0:
         with open(args.out, "w") as f:
             json.dump(result, f)

@@ -36,6 +36,7 @@ NZ = 6  # noise size
 LR = 0.01
 
 names = []  # the gradient all-reduces this rank started, in order
+prefixes = {}  # net ("G", "D") -> the prefix of its all-reduce names in the last distributed()
 _real_allreduce_async_ = hvd_optimizer.allreduce_async_
 
 
@@ -43,8 +44,6 @@ def counting_allreduce_async_(tensor, *args, name=None, **kwargs):
     names.append(name)
     return _real_allreduce_async_(tensor, *args, name=name, **kwargs)
 
-
-hvd_optimizer.allreduce_async_ = counting_allreduce_async_
 
 
 def nets():
@@ -128,6 +127,9 @@ def distributed(size, rank, zero="module", k=1, clip_early=False, summed=False):
                                      lr_scaling="none")
     netG, optimizerG = ht.distribute(netG, adam(netG), backward_passes_per_step=k,
                                      lr_scaling="none")
+    # Each distribute() in a process names its model's all-reduces "model<N>.": N counts the
+    # calls made so far, in this script and before it (a rank pool runs many scripts).
+    prefixes.update(G=optimizerG.late_name_prefix, D=optimizerD.late_name_prefix)
     shards = [(real[rank * LOCAL:(rank + 1) * LOCAL], noise[rank * LOCAL:(rank + 1) * LOCAL])
               for real, noise in data(size)]
     del names[:]
@@ -158,10 +160,17 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    hvd_optimizer.allreduce_async_ = counting_allreduce_async_
+    try:  # put back: a rank pool runs other scripts in this process after this one
+        run(args)
+    finally:
+        hvd_optimizer.allreduce_async_ = _real_allreduce_async_
+
+
+def run(args) -> None:
     info = ht.init(seed=0)
     size, rank = info.size, info.rank
     result = {"size": size}
-    calls = 0
     for case, zero, k, summed in (("module", "module", 1, False),
                                   ("optimizer", "optimizer", 1, False),
                                   ("k2", "module", 2, False), ("summed", "optimizer", 1, True)):
@@ -170,8 +179,7 @@ def main() -> None:
                                                         summed=summed)
         weights = torch.cat([flat(netG), flat(netD)])
         spread = max((w - weights).abs().max().item() for w in hvd.allgather_object(weights))
-        started = counts(f"model{calls + 1}.", f"model{calls}.")
-        calls += 2
+        started = counts(prefixes["G"], prefixes["D"])
         result[case] = {
             "G_vs_reference": (flat(netG) - ref_g).abs().max().item(),
             "D_vs_reference": (flat(netD) - ref_d).abs().max().item(),
