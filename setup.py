@@ -38,7 +38,10 @@ setup(
         # Keras 3 on the PyTorch backend (KERAS_BACKEND=torch).
         "keras-torch": ["keras>=3.10", "torch>=2.1"],
         "digits": ["scikit-learn>=1.4"],  # the demo dataset (--dataset digits)
-        "test": ["pytest>=8", "scikit-learn>=1.4"],
+        "test": ["pytest>=8", "scikit-learn>=1.4", "jsonschema>=4.18",
+                 "kubernetes-validate>=1.30"],
+        # hvdtrain launch --emit mpijob|trainjob writes YAML (Horovod depends on PyYAML too).
+        "kubernetes": ["pyyaml>=5.4"],
         "bench": ["matplotlib>=3.8"],
         # The engines (hvdtrain.spark, hvdtrain.ray; docs/engines/): needed on the driver and
         # on every executor / worker node, beside Horovod.

@@ -55,6 +55,7 @@ examples:
   hvdtrain launch -H node1:2,node2:2 -- hvdtrain train        # 4 ranks on two hosts
   hvdtrain launch --hostfile hostfiles/two-hosts.txt -np 4 --check -- hvdtrain train
   hvdtrain launch --launcher mpirun --dry-run -np 2 -- hvdtrain train
+  hvdtrain launch --emit mpijob --image IMAGE -np 4 --slots-per-worker 2 -- hvdtrain train
 
 what it runs, e.g. (on a host without GPUs, whose ranks share its cores):
   $ hvdtrain launch --dry-run --hostfile hostfiles/two-hosts.txt -np 4 -- hvdtrain train
@@ -212,6 +213,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from hvdtrain.launch.hostfile import HostfileError
     from hvdtrain.launch.plan import PlanError, plan
     from hvdtrain.launch.signals import RankSignals
+    if args.emit:  # a Kubeflow manifest on stdout; nothing runs (hvdtrain.launch.kubernetes)
+        from hvdtrain.launch.kubernetes import print_manifest
+        return print_manifest(args, _fail)
     try:
         runtime.omp_num_threads()  # it goes to every rank: check it here first
         launch = plan(args)
@@ -327,6 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "ranks fill the cores), off when there is one (default: auto)")
     launch.add_argument("--no-tuning", dest="yield_when_idle", action="store_const", const="off",
                         help="same as --yield-when-idle off")
+    from hvdtrain.launch.kubernetes import add_emit_arguments  # --emit mpijob|trainjob (#51)
+    add_emit_arguments(launch)
     launch.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                         help="the command each rank runs, after --")
     launch.set_defaults(func=cmd_launch)
