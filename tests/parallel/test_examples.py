@@ -5,7 +5,6 @@ from pathlib import Path
 
 import pytest
 
-from jobs import keras_env
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -16,8 +15,8 @@ DOCS = Path(__file__).resolve().parents[2] / "docs"
                                                 ("keras_minimal.py", "torch")])
 def test_example_trains_to_95_percent(pools, name, keras_backend, tmp_path):
     out = tmp_path / "result.json"
-    seen = pools.get(keras_env(keras_backend) if keras_backend else None).run(EXAMPLES / name,
-                                                                            out)
+    pool = pools.keras(keras_backend) if keras_backend else pools.get()
+    seen = pool.run(EXAMPLES / name, out)
     result = json.loads(out.read_text())
     assert result["size"] == 2 and result["accuracy"] >= 0.95
     assert result.get("backend") == keras_backend
