@@ -69,7 +69,10 @@ def parallel(args) -> None:
 def reference(args) -> None:
     if keras.backend.backend() == "tensorflow":
         import tensorflow as tf
-        tf.config.threading.set_intra_op_parallelism_threads(1)
+        try:
+            tf.config.threading.set_intra_op_parallelism_threads(1)
+        except RuntimeError:  # TF already running: a rank pool, started on init's threads
+            pass
     else:
         import torch
         torch.set_num_threads(1)
