@@ -1,6 +1,7 @@
 """ResNet-50 training throughput on NVIDIA GPUs with synthetic data: a plain PyTorch loop against
 the same loop through hvdtrain (``init``, ``distribute``, ``micro_batches`` with k=1), in fp32,
-bf16 (``torch.autocast``) and channels_last (fp32, NHWC model and batches); and Keras 3 on its
+bf16 (``torch.autocast``), channels_last (fp32, NHWC model and batches), bf16 + channels_last
+(what Hopper users run) and that under ``torch.compile``; and Keras 3 on its
 PyTorch backend, plain ``model.fit`` against ``hvdtrain.keras``, on the small benchmark models
 (``keras_mnist``, ``keras_gpt``, ... : :mod:`gpu_keras`). Output lines follow
 Horovod's ``pytorch_synthetic_benchmark.py`` (``Iter #i: X img/sec per GPU``,
@@ -54,11 +55,17 @@ import gpu_keras  # noqa: E402  (imports nothing heavy)
 from gpu_rounds import (LOOPS, TARGET_RATIO, another_round, print_results,  # noqa: E402
                         results_of, write_json)
 
-TORCH_VARIANTS = ("fp32", "bf16", "channels_last")
+# A variant names its precision (fp32, or bf16 autocast), layout (channels_last: NHWC model and
+# batches) and torch.compile (_compile: the model compiled, default mode, in both loops).
+TORCH_VARIANTS = ("fp32", "bf16", "channels_last", "bf16_channels_last",
+                  "bf16_channels_last_compile")
 VARIANTS = TORCH_VARIANTS + gpu_keras.VARIANTS
-# What a run does by default (make gpu-check): the three ResNet-50 variants, and Keras on the
-# smallest CNN and the LM, where a step is short enough for the adapter's own cost to show.
-DEFAULT_VARIANTS = TORCH_VARIANTS + ("keras_mnist", "keras_gpt")
+# What a run does by default (make gpu-check, whose bench step has 60 s): ResNet-50 in fp32,
+# bf16 and bf16 + channels_last (fp32 channels_last and the compiled variant on request: with
+# them the first round, which holds every warmup and cuDNN's kernel search, took past 60 s on one
+# H100), and Keras on the smallest CNN and the LM, where a step is short enough for the
+# adapter's own cost to show.
+DEFAULT_VARIANTS = ("fp32", "bf16", "bf16_channels_last", "keras_mnist", "keras_gpt")
 LOOP_NAMES = {"plain": "plain PyTorch", "hvdtrain": "hvdtrain"}
 KERAS_LOOP_NAMES = {"plain": "plain Keras fit", "hvdtrain": "hvdtrain.keras"}
 PROG = "benchmarks/gpu.py"
@@ -191,20 +198,22 @@ class Runner:
         import hvdtrain.torch as ht
 
         torch.manual_seed(0)  # both loops start from the same weights
-        fmt = torch.channels_last if variant == "channels_last" else torch.contiguous_format
+        fmt = torch.channels_last if "channels_last" in variant else torch.contiguous_format
         model = build_model(args).to(device).to(memory_format=fmt)
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
         if loop == "hvdtrain":
             model, optimizer = ht.distribute(model, optimizer, backward_passes_per_step=1)
         model.train()
+        if variant.endswith("_compile"):  # after distribute, as a user compiles the model
+            model = torch.compile(model)
         g = torch.Generator().manual_seed(1)
         data = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g)
         data = data.to(device).contiguous(memory_format=fmt)
         target = torch.randint(0, args.num_classes, (args.batch_size,), generator=g).to(device)
-        dtype = torch.bfloat16 if variant == "bf16" else torch.float32
+        bf16 = variant.startswith("bf16")
 
         def autocast():
-            return torch.autocast(device.type, dtype=dtype, enabled=variant == "bf16")
+            return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
         def plain(steps: int) -> None:
             for _ in range(steps):
@@ -367,7 +376,9 @@ def main(argv=None) -> dict:
                 key = (variant, loop)
                 log(f"Round {r + 1}/{args.rounds}, {variant}, {loop_name(variant, loop)}: "
                     "Running benchmark...")
+                block_start = time.perf_counter()
                 seconds = runners[key].block(args if not rounds[key] else later)
+                log(f"Block took {time.perf_counter() - block_start:.1f} s (warmup included)")
                 for s in seconds:
                     log(f"Iter #{len(iters[key])}: {samples / s:.1f} img/sec per {unit}")
                     iters[key].append(samples / s)

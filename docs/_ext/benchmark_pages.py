@@ -22,6 +22,7 @@ TITLES = {
     "trainer": "The training loop's own cost",
     "scaling_rule": "Learning-rate scaling rules by global batch",
     "gpu": "One GPU: hvdtrain vs a plain PyTorch loop",
+    "gpu_breakdown": "One GPU: where a step's time goes",
     "vs_single": "Distributing vs one process",
 }
 # Options that only say where output goes or which part of a run this process is.

@@ -95,8 +95,9 @@ def rank_info() -> runtime.RankInfo:
 
 def _broadcast_tensors_(tensors: list[tuple[str, torch.Tensor]], root_rank: int) -> None:
     """Broadcast each tensor from ``root_rank`` in place, all in flight at once (Horovod fuses
-    them). Non-contiguous tensors (e.g. ``torch.channels_last``) go through a contiguous copy,
-    since Horovod's collectives need contiguous memory."""
+    them). Non-contiguous tensors (e.g. ``torch.channels_last``) go as contiguous views of their
+    own memory (:func:`~hvdtrain.torch.buffers.contiguous_view`; a copy only for memory with
+    gaps), since Horovod's collectives need contiguous tensors."""
     dense_layout_tensors_(tensors, lambda t, n: hvd.broadcast_async_(t, root_rank, name=n))
 
 
@@ -248,8 +249,8 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     2. Wraps ``optimizer`` in ``hvd.DistributedOptimizer`` with ``named_parameters``,
        ``backward_passes_per_step=k``, ``compression`` and ``op``: gradients are all-reduced
        (averaged over ranks) once every k backward passes, at ``optimizer.step()``; gradients in
-       any dense memory format (``torch.channels_last`` models) are all-reduced through a
-       contiguous copy and keep their format
+       any dense memory format (``torch.channels_last`` models) are all-reduced in place as a
+       contiguous view of their own memory, their dimensions permuted, and keep their format
        (:class:`~hvdtrain.torch.optimizer.DenseLayout`). Scale each
        micro-batch loss by :class:`MicroBatch` ``.loss_weight`` (see :func:`micro_batches`) so that
        a step is the mean over the global batch of ``local batch x k x size`` samples. The

@@ -11,16 +11,45 @@ import torch
 from hvdtrain import runtime
 
 
+def contiguous_view(tensor: torch.Tensor) -> tuple[torch.Tensor | None, tuple[int, ...] | None]:
+    """A contiguous view of ``tensor``'s own memory, for the collectives (Horovod's want
+    contiguous tensors), without a copy where the memory is dense in another order.
+
+    Returns ``(view, order)``: ``(tensor, None)`` for a contiguous tensor; for a tensor in another
+    dense memory format, its dimensions permuted by ``order`` (strides falling), which is
+    contiguous: e.g. a ``torch.channels_last`` gradient of shape (N, C, H, W) and strides
+    (H*W*C, 1, W*C, C) viewed as (N, H, W, C). An in-place collective on the view writes the
+    tensor's memory; ``view.permute(inverse_order(order))`` has ``tensor``'s shape and strides.
+    ``(None, None)`` where no permutation is contiguous (gaps or overlaps: a slice, an expanded
+    tensor): the caller copies."""
+    if tensor.is_contiguous():
+        return tensor, None
+    order = tuple(sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d)))
+    view = tensor.permute(order)
+    return (view, order) if view.is_contiguous() else (None, None)
+
+
+def inverse_order(order: tuple[int, ...]) -> tuple[int, ...]:
+    """The permutation that undoes ``tensor.permute(order)``."""
+    inverse = [0] * len(order)
+    for i, d in enumerate(order):
+        inverse[d] = i
+    return tuple(inverse)
+
+
 def dense_layout_tensors_(tensors: list[tuple[str, torch.Tensor]], collective) -> None:
-    """Run ``collective(buffer, name) -> handle`` on each tensor, all in flight at once, through a
-    contiguous copy where the tensor is not contiguous; then wait and copy results back in place."""
+    """Run ``collective(buffer, name) -> handle`` on each tensor, all in flight at once, in place
+    on a contiguous view of its memory (:func:`contiguous_view`; a contiguous copy, copied back
+    afterwards, only where its memory has gaps); then wait for them all."""
     pending = []
     for name, tensor in tensors:
-        buffer = tensor if tensor.is_contiguous() else tensor.contiguous()
+        buffer, _ = contiguous_view(tensor)
+        if buffer is None:
+            buffer = tensor.contiguous()
         pending.append((tensor, buffer, collective(buffer, name)))
     for tensor, buffer, handle in pending:
         hvd.synchronize(handle)
-        if buffer is not tensor:
+        if buffer.data_ptr() != tensor.data_ptr():
             tensor.copy_(buffer)
 
 

@@ -48,14 +48,20 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.mpi_ops import rocm_built, synchronize as _wait
 
+from hvdtrain.torch.buffers import contiguous_view, inverse_order
+
 
 class DenseLayout:
     """A Horovod gradient compressor (``compress``/``decompress``) around another one that lets
     gradients in any dense memory format through, e.g. ``torch.channels_last``: Horovod's
     all-reduce wants contiguous tensors (``ValueError: Tensor is required to be contiguous.``).
-    A non-contiguous gradient is all-reduced through a contiguous copy (the ranks' layouts are
-    equal, so element i is element i everywhere), and the result comes back in the gradient's
-    own layout; contiguous gradients pass untouched, with no copy.
+    A gradient dense in another order is sent as a contiguous view of its own memory, its
+    dimensions permuted (:func:`~hvdtrain.torch.buffers.contiguous_view`; the ranks' layouts are
+    equal, so element i is element i everywhere): the in-place all-reduce writes the gradient
+    itself, with no device copy (the contiguous copy and the copy back that this took before
+    cost two permuting copies of every such gradient per step). Only a gradient with gaps in
+    its memory goes through a contiguous copy. The result comes back in the gradient's own
+    shape and strides; contiguous gradients pass untouched.
 
     The context it gives Horovod also names the gradient sent and its version counter then, so
     that :func:`accept_ddp_idioms` can tell whether ``.grad`` is still that gradient, unchanged.
@@ -65,20 +71,28 @@ class DenseLayout:
         self.inner = inner
 
     def compress(self, tensor: torch.Tensor):
-        """``(tensor to send, context)``: a contiguous copy for a non-contiguous tensor."""
-        if tensor.is_contiguous():
-            compressed, ctx = self.inner.compress(tensor)
-            return compressed, (None, ctx, tensor, tensor._version)
-        compressed, ctx = self.inner.compress(tensor.contiguous())
-        return compressed, (tensor, ctx, tensor, tensor._version)
+        """``(tensor to send, context)``: the tensor, a contiguous view of it, or (memory with
+        gaps) a contiguous copy; the context's first item says which (None, the permutation,
+        or the tensor whose layout the result takes)."""
+        view, order = contiguous_view(tensor)
+        if view is None:
+            compressed, ctx = self.inner.compress(tensor.contiguous())
+            return compressed, (tensor, ctx, tensor, tensor._version)
+        compressed, ctx = self.inner.compress(view)
+        return compressed, (order, ctx, tensor, tensor._version)
 
     def decompress(self, tensor: torch.Tensor, ctx) -> torch.Tensor:
-        """The reduced tensor, in the memory format of the tensor given to :meth:`compress`."""
+        """The reduced tensor, in the shape and memory format of the tensor given to
+        :meth:`compress`."""
         if ctx is None:  # Horovod's sparse path (an all-gather) passes no context
             return self.inner.decompress(tensor, None)
-        like, inner_ctx = ctx[:2]
+        layout, inner_ctx = ctx[:2]
         out = self.inner.decompress(tensor, inner_ctx)
-        return out if like is None else torch.empty_like(like).copy_(out)
+        if layout is None:
+            return out
+        if isinstance(layout, tuple):
+            return out.permute(inverse_order(layout))
+        return torch.empty_like(layout).copy_(out)
 
 
 # Horovod's own in-place writes to a gradient in flight: none, except on ROCm, where the average

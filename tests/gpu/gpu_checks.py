@@ -18,6 +18,8 @@ they differ only by the summation order of other cuDNN kernels (~1e-7 per step).
 """
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +58,8 @@ def train(device, memory_format, compression, k):
     if hvd.size() == 1:
         # Horovod registers its gradient hooks only at size > 1; register them here, so that on
         # one GPU too every gradient goes through the NCCL all-reduce (and, for channels_last,
-        # through the contiguous copies of hvdtrain.torch.optimizer.DenseLayout), as on many GPUs.
+        # as permuted views of their own memory: hvdtrain.torch.optimizer.DenseLayout), as on many
+        # GPUs.
         optimizer._register_hooks()
     grad_formats, allreduced = [], []
     for (x, y), micro in ht.micro_batches(batches(), k):
@@ -91,6 +94,28 @@ def layouts(device):
             "weights_channels_last": [p.is_contiguous(memory_format=torch.channels_last)
                                       for p in last.parameters() if p.dim() == 4],
             "devices": sorted({str(p.device) for p in last.parameters()})}
+    out["step_counts"] = step_counts(device)
+    return out
+
+
+def step_counts(device):
+    """Device copies of gradient-sized tensors made through PyTorch ops, and host
+    synchronisations PyTorch sees, in one bf16 autocast + channels_last step: the plain loop,
+    and through distribute() with Horovod's hooks on (every gradient all-reduced, as at np >= 2);
+    counted by benchmarks/gpu_breakdown.py's StepCounter."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from gpu_breakdown import counted_step
+    x, y = batches(n=1)[0]
+    x, y = x.to(device).to(memory_format=torch.channels_last), y.to(device)
+    out = {}
+    for name in ("plain", "distributed"):
+        model = conv_net().to(device).to(memory_format=torch.channels_last)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if name == "distributed":
+            model, optimizer = ht.distribute(model, optimizer, lr_scaling="none")
+            if hvd.size() == 1:
+                optimizer._register_hooks()
+        out[name] = counted_step(model, optimizer, x, y, bf16=True)
     return out
 
 

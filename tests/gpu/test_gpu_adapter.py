@@ -37,6 +37,16 @@ def test_channels_last_cuda_model_trains_like_the_contiguous_one(gpu, case):
     assert c["grads_channels_last"] == [True, True] and c["weights_channels_last"] == [True, True]
 
 
+def test_a_bf16_channels_last_step_adds_no_copies_or_host_syncs(gpu):
+    # Counted, not timed (#50): every gradient goes through Horovod's all-reduce (hooks on), as a
+    # permuted view of its own memory; the step copies no gradient-sized tensor and makes no
+    # host synchronisation PyTorch sees beyond what the plain loop does (autocast's bf16 weight
+    # casts are copies both loops make).
+    c = result(gpu, "layouts")["layouts"]["step_counts"]
+    assert c["distributed"]["copies"] == c["plain"]["copies"], c
+    assert c["distributed"]["syncs"] == c["plain"]["syncs"], c
+
+
 def test_sync_batchnorm_converts_and_steps_on_cuda(gpu):
     b = result(gpu, "sync_batchnorm")["batchnorm"]
     assert b["types"] == ["SyncBatchNorm", "SyncBatchNorm"]

@@ -27,6 +27,18 @@ def test_a_channels_last_model_trains_like_the_contiguous_one(checks, case):
     assert c["grads_channels_last"] == [True, True] and c["weights_channels_last"] == [True, True]
 
 
+def test_a_channels_last_step_copies_no_gradient(checks):
+    # The all-reduce runs in place on a permuted view of each gradient's own memory (#50): no
+    # copy of a gradient-sized tensor beyond the plain loop's (none here, fp32). The control, the
+    # contiguous copy and the copy back DenseLayout made before, shows that the counter sees
+    # them: 2 per 3x3 conv weight (a 1x1 kernel would be contiguous in both formats).
+    c = checks["step_copies"]
+    assert c["distributed"] == c["plain"]
+    extra = [op for op in c["copy_layout"] if op not in c["plain"]]
+    assert sorted(extra) == sorted([["clone", 216], ["copy_", 216], ["clone", 576],
+                                    ["copy_", 576]]), c
+
+
 @pytest.mark.parametrize("op", ["average", "broadcast"])
 def test_sync_buffers_makes_batchnorm_statistics_equal(checks, op):
     b = checks["batchnorm"][op]

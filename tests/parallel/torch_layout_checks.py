@@ -10,6 +10,8 @@ Launch::
 """
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +74,27 @@ def layouts(rank):
     return out
 
 
+def step_copies(rank):
+    """Gradient-sized copies in one channels_last step (benchmarks/gpu_breakdown.py's
+    counted_step): the plain loop, through distribute() (every gradient all-reduced: 2 ranks),
+    and the same with the contiguous-copy layout DenseLayout had before (a control: the counter
+    sees those copies)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from gpu_breakdown import CopyLayout, counted_step
+    x, y = batches(rank, n=1)[0]
+    x = x.to(memory_format=torch.channels_last)
+    out = {}
+    for name in ("plain", "distributed", "copy_layout"):
+        model = conv_net().to(memory_format=torch.channels_last)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if name != "plain":
+            model, optimizer = ht.distribute(model, optimizer, lr_scaling="none")
+            if name == "copy_layout":
+                optimizer._compression = CopyLayout(optimizer._compression.inner)
+        out[name] = counted_step(model, optimizer, x, y)["copies"]
+    return out
+
+
 def running_stats(model):
     return torch.cat([b.double().flatten() for n, b in model.named_buffers()
                       if "running" in n])
@@ -123,6 +146,7 @@ def main() -> None:
     args = parser.parse_args()
     info = ht.init(seed=1)
     result = {"size": info.size, "device": info.device, "layouts": layouts(info.rank),
+              "step_copies": step_copies(info.rank),
               "batchnorm": batchnorm(info.rank)}
     if info.is_root:
         with open(args.out, "w") as handle:

@@ -129,7 +129,7 @@ def test_benchmark_runs_on_the_cpu_in_horovods_format(tmp_path):
     assert 0 < timing["startup_s"] < timing["total_s"]
     assert result["settings"]["warmup_later"] == 0 and result["settings"]["time_budget"] == 0.001
     assert result["machine"]["torch"] and result["machine"]["gpu"] is None
-    variants = ["fp32", "bf16", "channels_last", "keras_mnist", "keras_gpt"]
+    variants = ["fp32", "bf16", "bf16_channels_last", "keras_mnist", "keras_gpt"]
     assert list(result["variants"]) == variants
     assert [(e["model"], e["framework"]) for e in result["variants"].values()] == [
         ("tiny", "torch")] * 3 + [("mnist", "keras (torch backend)"),
@@ -266,3 +266,26 @@ def test_shared_gpu_job_reports_each_case_and_runs_the_rest_after_a_hang(tmp_pat
         "first": True, "boom": False, "hang": False, "last": True}
     assert [launch["exit"] for launch in timings["launches"]] == [1, 0]
     assert json.loads((root / "timings.json").read_text()) == timings
+
+
+def test_breakdown_runs_on_the_cpu_and_counts_the_copies(tmp_path):
+    # benchmarks/gpu_breakdown.py (#50) as a smoke test: every path measured and written back;
+    # the counted copies tell the layouts apart (autocast's weight casts are in every path).
+    out = tmp_path / "breakdown.json"
+    done = python(str(ROOT / "benchmarks" / "gpu_breakdown.py"), "--device", "cpu", "--model",
+                  "tiny", "--image-size", "16", "--batch-size", "4", "--rounds", "2", "--steps",
+                  "2", "--warmup", "1", "--json-out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    r = json.loads(out.read_text())
+    assert list(r["paths"]) == ["plain", "hvdtrain", "hooks", "hooks_copy"]
+    assert (r["precision"], r["layout"], r["compile"]) == ("bf16", "channels_last", False)
+    paths = r["paths"]
+    assert all(len(p["img_sec_rounds"]) == 2 and p["img_sec"]["median"] > 0
+               for p in paths.values())
+    assert "ratio_to_plain" not in paths["plain"] and "ratio_to_plain" in paths["hooks"]
+    plain = paths["plain"]["gradient_sized_copies"]
+    assert paths["hvdtrain"]["gradient_sized_copies"] == plain
+    assert paths["hooks"]["gradient_sized_copies"] == plain
+    # the tiny CNN's two 3x3 convs: a contiguous copy and a copy back each
+    assert paths["hooks_copy"]["gradient_sized_copies"] == plain + 4
+    assert all(p["host_syncs_seen_by_torch"] == 0 for p in paths.values())

@@ -32,3 +32,37 @@ def test_a_resume_at_momentum_0_drops_the_momentum_buffers():
     changed = load_optimizer(second, saved)
     assert changed["momentum"] == (0.9, 0.0)
     assert not any("momentum_buffer" in s for s in second.state_dict()["state"].values())
+
+
+def test_dense_layouts_are_sent_as_views_of_their_own_memory():
+    # #50: a channels_last gradient (and any dense permutation: channels_last_3d, a transpose)
+    # goes to Horovod as a contiguous view of its memory, so the in-place all-reduce writes the
+    # gradient itself; decompress gives back its shape and strides. Memory with gaps (a slice)
+    # is still copied, and the result takes the gradient's layout.
+    import horovod.torch as hvd
+    import torch
+
+    from hvdtrain.torch.optimizer import DenseLayout
+    layout = DenseLayout(hvd.Compression.none)
+    for grad in (torch.randn(8, 3, 3, 3).contiguous(memory_format=torch.channels_last),
+                 torch.randn(8, 3, 1, 1).contiguous(memory_format=torch.channels_last),
+                 torch.randn(2, 3, 4, 5, 6).contiguous(memory_format=torch.channels_last_3d),
+                 torch.randn(5, 7).t()):
+        sent, ctx = layout.compress(grad)
+        assert sent.is_contiguous() and sent.data_ptr() == grad.data_ptr()
+        sent.mul_(2)  # what the in-place all-reduce does to it
+        back = layout.decompress(sent, ctx)
+        assert back.shape == grad.shape and back.stride() == grad.stride()
+        assert back.data_ptr() == grad.data_ptr()
+    gapped = torch.randn(6, 8)[:, ::2]
+    sent, ctx = layout.compress(gapped)
+    assert sent.is_contiguous() and sent.data_ptr() != gapped.data_ptr()
+    assert torch.equal(layout.decompress(sent, ctx), gapped)
+    # fp16 compression: a new contiguous tensor each way, the gradient's strides at the end
+    grad = torch.randn(8, 3, 3, 3).contiguous(memory_format=torch.channels_last)
+    fp16 = DenseLayout(hvd.Compression.fp16)
+    sent, ctx = fp16.compress(grad)
+    assert sent.dtype == torch.float16 and sent.is_contiguous()
+    back = fp16.decompress(sent, ctx)
+    assert back.dtype == grad.dtype and back.stride() == grad.stride()
+    assert torch.allclose(back, grad, atol=1e-2)
