@@ -348,43 +348,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def engine_command(parser: argparse.ArgumentParser, rest: list[str]) -> list[str]:
-    """The command given after ``--`` to an engine's command line (``python -m hvdtrain.spark``,
-    ``python -m hvdtrain.ray``). Exits 2 through ``parser`` when there is none."""
-    command = rest[1:] if rest[:1] == ["--"] else rest
-    if not command:
-        parser.error("no command: give it after --, e.g. -- hvdtrain train --dataset mnist")
-    return command
-
-
-def key_value_pairs(items: list[str], what: str, parser: argparse.ArgumentParser) -> dict:
-    """``["K=V", ...]`` (a repeatable option such as ``--env``) as a dict. Exits 2 through
-    ``parser``, naming ``what``, for an item without ``=`` or without a key."""
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            parser.error(f"{what} {item!r}: expected KEY=VALUE")
-        out[key] = value
-    return out
-
-
-def check_train_command(command: list[str]) -> str | None:
-    """For ``hvdtrain train ...``: its options' error (as ``hvdtrain train`` would print it),
-    checked before an engine (``python -m hvdtrain.spark``, ``python -m hvdtrain.ray``) starts
-    anything; None when fine or when it is another command."""
-    if len(command) < 2 or os.path.basename(command[0]) != "hvdtrain" or command[1] != "train":
-        return None
-    from hvdtrain.config import ConfigError, TrainConfig
-    args = build_parser().parse_args(command[1:])  # exits 2 with argparse's message
-    fields = {k: v for k, v in vars(args).items() if k not in ("command", "func")}
-    try:
-        TrainConfig.from_options(fields).validate()
-    except (ConfigError, ValueError) as exc:
-        return str(exc)
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``hvdtrain`` console script."""
     args = build_parser().parse_args(argv)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
+from hvdtrain.launch.engine_args import output_dir_of
 from hvdtrain.launch.signals import LAUNCH_ID_VAR
 
 MPIJOB_API = "kubeflow.org/v2beta1"
@@ -130,17 +131,6 @@ def job_command(command: list[str]) -> list[str]:
                                               for a in command):
         return [*command, "--resume", "auto"]
     return list(command)
-
-
-def output_dir_of(command: list[str], default: str = "runs/latest") -> str:
-    """The ``--output-dir`` the command gives (its last one), else ``default``."""
-    found = default
-    for i, arg in enumerate(command):
-        if arg == "--output-dir" and i + 1 < len(command):
-            found = command[i + 1]
-        elif arg.startswith("--output-dir="):
-            found = arg.split("=", 1)[1]
-    return found
 
 
 def worker_host(name: str, index: int, namespace: str = "default") -> str:

@@ -110,9 +110,15 @@ def rank_env(slot, rendezvous_addr: str, port: int, iface: str, engine: str,
         "HOROVOD_CROSS_SIZE": str(slot.cross_size),
         ENGINE_VAR: engine, "PYTHONUNBUFFERED": "1",
     })
-    # Console scripts (hvdtrain, horovodrun) of this interpreter's environment first.
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PATH"] = rank_path(extra)
     return env
+
+
+def rank_path(extra: dict[str, str] | None = None) -> str:
+    """The ``PATH`` of a rank: the console scripts (hvdtrain, horovodrun) of this interpreter's
+    environment first, then ``extra``'s ``PATH`` if it has one, else this process's."""
+    path = (extra or {}).get("PATH", os.environ.get("PATH", ""))
+    return f"{Path(sys.executable).parent}{os.pathsep}{path}"
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec

@@ -74,13 +74,14 @@ def connect_error(exc: BaseException, address: str | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from hvdtrain.cli import check_train_command, engine_command, key_value_pairs
-    command = engine_command(parser, args.command)
+    from hvdtrain.launch.engine_args import (check_train_command, engine_command,
+                                              key_value_pairs)
+    env = key_value_pairs(args.env, "--env", parser)
+    command = engine_command(parser, args.command, env)
     if args.np < 1:
         parser.error("-np must be >= 1")
     if args.max_failures < 0:
         parser.error("--max-failures must be >= 0")
-    env = key_value_pairs(args.env, "--env", parser)
     problem = check_train_command(command)
     if problem:
         print(f"hvdtrain: error: {problem}", file=sys.stderr)

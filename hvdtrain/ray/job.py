@@ -9,8 +9,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from hvdtrain.ray.backend import ATTEMPT_VAR, HorovodConfig
 from hvdtrain.launch import ranks
+from hvdtrain.launch.engine_args import is_train_command, train_config
+from hvdtrain.ray.backend import ATTEMPT_VAR, HorovodConfig
 
 
 class NotEnoughResourcesError(RuntimeError):
@@ -39,23 +40,6 @@ def check_resources(num_workers: int, cpus_per_worker: float = 1.0) -> None:
         raise NotEnoughResourcesError(
             f"{num_workers} ranks need {need:g} CPUs ({cpus_per_worker:g} each) in the Ray "
             f"cluster at once; it has {have:g} ({nodes} node(s)). Use fewer ranks or add nodes.")
-
-
-def is_train_command(command: list[str]) -> bool:
-    """Whether ``command`` is ``hvdtrain train ...``."""
-    return len(command) >= 2 and os.path.basename(command[0]) == "hvdtrain" and \
-        command[1] == "train"
-
-
-def option_value(command: list[str], name: str) -> str | None:
-    """The value of ``--name V`` or ``--name=V`` in ``command`` (last one wins), else None."""
-    value = None
-    for i, arg in enumerate(command):
-        if arg == name and i + 1 < len(command):
-            value = command[i + 1]
-        elif arg.startswith(name + "="):
-            value = arg.split("=", 1)[1]
-    return value
 
 
 def restart_argv(command: list[str], attempt: int) -> list[str]:
@@ -100,8 +84,11 @@ def command_loop(config: dict) -> None:
                            f"(start {attempt} of the group); its last output:\n"
                            f"{proc.tail_text()[-2000:]}")
     metrics = {"exit_code": 0, "attempt": attempt}
-    output_dir = option_value(argv, "--output-dir") if is_train_command(argv) else None
-    path = Path(cwd or ".", output_dir) if output_dir is not None else None
+    try:  # as hvdtrain train read it (its default, abbreviations); checked on the driver
+        train = train_config(argv)
+    except (SystemExit, Exception):  # noqa: BLE001 - another hvdtrain's options: no report
+        train = None
+    path = Path(cwd or ".", train.output_dir) if train is not None else None
     if rank != 0 or path is None or not (path / "metrics.json").exists():
         ray.train.report(metrics)  # every worker reports: it is a barrier
         return

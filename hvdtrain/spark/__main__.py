@@ -12,8 +12,10 @@
 Each rank is a child of one task of a barrier stage; rank 0's output comes back here. The
 ``--output-dir`` must be a path every executor reaches (rank 0 writes ``metrics.json``,
 TensorBoard and checkpoints there). ``hvdtrain train`` options are checked here before Spark
-starts. Exit status: 0 when every rank succeeded; rank 0's status when a rank failed (else the
-first failing rank's); 1 when a task was lost; 2 on bad input or too few task slots.
+starts. Exit status: 0 when every rank succeeded; when ranks failed, the status of the one
+that caused it (named first in the message; the others often failed only because it did); 1
+when a task was lost; 2 on bad input (a command that is not found included) or too few task
+slots.
 """
 from __future__ import annotations
 
@@ -46,12 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from hvdtrain.cli import check_train_command, engine_command, key_value_pairs
-    command = engine_command(parser, args.command)
-    if args.np == 0:
-        parser.error("-np must not be 0")
+    from hvdtrain.launch.engine_args import (check_train_command, engine_command,
+                                              key_value_pairs)
     conf = key_value_pairs(args.conf, "--conf", parser)
     env = key_value_pairs(args.env, "--env", parser)
+    command = engine_command(parser, args.command, env)
+    if args.np == 0:
+        parser.error("-np must not be 0")
     problem = check_train_command(command)
     if problem:
         print(f"hvdtrain: error: {problem}", file=sys.stderr)
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     except hs.SparkJobError as exc:
         print(f"hvdtrain.spark: error: {exc}", file=sys.stderr)
         codes = exc.exit_codes
-        code = codes.get(0, codes[min(codes)]) if codes and not exc.lost else 1
+        code = codes.get(exc.cause, 1) if codes and not exc.lost else 1
         return code if 0 < code < 256 else 1
     finally:
         if created:

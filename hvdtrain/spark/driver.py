@@ -29,12 +29,17 @@ class SparkJobError(RuntimeError):
         lost: ``"rank R (Spark task P on HOST)"`` of the first task whose executor vanished
             before its rank ended, or None.
         exit_codes: ``{rank: status}`` of the ranks that ended with a non-zero status.
+        cause: the rank that caused the failure, the one the message names first
+            (:func:`hvdtrain.launch.ranks.cause_first`; the others often failed only because it
+            did), or None when no rank exited non-zero.
     """
 
     def __init__(self, message: str, lost: str | None = None,
-                 exit_codes: dict[int, int] | None = None):
+                 exit_codes: dict[int, int] | None = None, cause: int | None = None):
         super().__init__(message)
         self.lost, self.exit_codes = lost, dict(exit_codes or {})
+        self.cause = cause if cause is not None or not self.exit_codes else next(
+            iter(self.exit_codes))
 
 
 class NotEnoughSlotsError(SparkJobError):
@@ -194,7 +199,7 @@ def _job_error(exc: Exception, service: DriverService, num_proc: int,
         parts.append(f"the Spark stage failed after {seconds:.1f} s")
     parts.append(f"Spark: {spark_line}")
     return SparkJobError("\n".join(parts), lost=lost.where() if lost else None,
-                         exit_codes=codes)
+                         exit_codes=codes, cause=failed[0].rank if failed else None)
 
 
 def _spark_reason(exc: Exception) -> str:

@@ -89,7 +89,13 @@ def _run_rank(job: dict, slot, hosts: list[str], partition: int, port: int):
         # The driver's working directory where the executor has it too (a shared file
         # system), as horovodrun does on its hosts; else the task's own.
         cwd = job.get("cwd") if job.get("cwd") and os.path.isdir(job["cwd"]) else None
-        rank = ranks.RankProcess(argv, env, sink, cwd=cwd)
+        try:
+            rank = ranks.RankProcess(argv, env, sink, cwd=cwd)
+        except OSError as exc:  # the program is not there on this executor (the driver has it)
+            message = f"rank {slot.rank} (Spark task {partition} on {host}) cannot start: {exc}"
+            link.exit(127, message, time.time())
+            link.close()
+            raise RankFailed(message) from exc
         try:
             code = rank.wait()
         finally:

@@ -95,9 +95,8 @@ def rank_info() -> runtime.RankInfo:
 
 def _broadcast_tensors_(tensors: list[tuple[str, torch.Tensor]], root_rank: int) -> None:
     """Broadcast each tensor from ``root_rank`` in place, all in flight at once (Horovod fuses
-    them). Non-contiguous tensors (e.g. ``torch.channels_last``) go as contiguous views of their
-    own memory (:func:`~hvdtrain.torch.buffers.contiguous_view`; a copy only for memory with
-    gaps), since Horovod's collectives need contiguous tensors."""
+    them). Non-contiguous tensors (e.g. ``torch.channels_last``) go through a contiguous copy,
+    since Horovod's collectives need contiguous memory."""
     dense_layout_tensors_(tensors, lambda t, n: hvd.broadcast_async_(t, root_rank, name=n))
 
 

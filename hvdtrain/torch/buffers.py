@@ -24,7 +24,11 @@ def contiguous_view(tensor: torch.Tensor) -> tuple[torch.Tensor | None, tuple[in
     tensor): the caller copies."""
     if tensor.is_contiguous():
         return tensor, None
-    order = tuple(sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d)))
+    # Falling strides; size-1 dimensions (whose strides say nothing) last, in their own order, so
+    # that one memory layout always gives the same order, whatever strides they carry.
+    order = tuple(sorted(range(tensor.dim()),
+                         key=lambda d: (tensor.size(d) == 1, -tensor.stride(d) if
+                                        tensor.size(d) != 1 else d)))
     view = tensor.permute(order)
     return (view, order) if view.is_contiguous() else (None, None)
 
@@ -38,18 +42,19 @@ def inverse_order(order: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def dense_layout_tensors_(tensors: list[tuple[str, torch.Tensor]], collective) -> None:
-    """Run ``collective(buffer, name) -> handle`` on each tensor, all in flight at once, in place
-    on a contiguous view of its memory (:func:`contiguous_view`; a contiguous copy, copied back
-    afterwards, only where its memory has gaps); then wait for them all."""
+    """Run ``collective(buffer, name) -> handle`` on each tensor, all in flight at once, through a
+    contiguous copy where the tensor is not contiguous; then wait and copy results back in place.
+    A copy, not :func:`contiguous_view`: the copy is in logical order, so ranks whose tensors have
+    different layouts (a root restored from a checkpoint saved contiguous, others allocated like
+    their channels_last parameters) still exchange element i for element i; these collectives run
+    once per job, not per step."""
     pending = []
     for name, tensor in tensors:
-        buffer, _ = contiguous_view(tensor)
-        if buffer is None:
-            buffer = tensor.contiguous()
+        buffer = tensor if tensor.is_contiguous() else tensor.contiguous()
         pending.append((tensor, buffer, collective(buffer, name)))
     for tensor, buffer, handle in pending:
         hvd.synchronize(handle)
-        if buffer.data_ptr() != tensor.data_ptr():
+        if buffer is not tensor:
             tensor.copy_(buffer)
 
 

@@ -56,9 +56,10 @@ class DenseLayout:
     gradients in any dense memory format through, e.g. ``torch.channels_last``: Horovod's
     all-reduce wants contiguous tensors (``ValueError: Tensor is required to be contiguous.``).
     A gradient dense in another order is sent as a contiguous view of its own memory, its
-    dimensions permuted (:func:`~hvdtrain.torch.buffers.contiguous_view`; the ranks' layouts are
-    equal, so element i is element i everywhere): the in-place all-reduce writes the gradient
-    itself, with no device copy (the contiguous copy and the copy back that this took before
+    dimensions permuted (:func:`~hvdtrain.torch.buffers.contiguous_view`): the in-place
+    all-reduce writes the gradient itself, with no device copy. That needs the same layout on
+    every rank: autograd gives a gradient its parameter's layout, parameters are laid out alike
+    on every rank, and a missing gradient is zeros in its parameter's layout (:func:`_synchronize`) (the contiguous copy and the copy back that this took before
     cost two permuting copies of every such gradient per step). Only a gradient with gaps in
     its memory goes through a contiguous copy. The result comes back in the gradient's own
     shape and strides; contiguous gradients pass untouched.
@@ -182,6 +183,12 @@ def _synchronize(self) -> None:
         sent, _ = _sent(ctx)
         if sent is not None and p.grad is not sent:
             _collect(self, p, keep=False)
+    for p in self._requires_update - set(self._handles):
+        if p.grad is None:
+            # Horovod would send a contiguous zero tensor for a parameter this rank gave no
+            # gradient (control flow); DenseLayout sends a channels_last gradient in memory
+            # order, so the zeros take the parameter's layout, as the other ranks' gradients do.
+            p.grad = torch.zeros_like(p)
     type(self).synchronize(self)
     _hook_new_parameters(self)
 

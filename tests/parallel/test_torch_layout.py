@@ -39,6 +39,13 @@ def test_a_channels_last_step_copies_no_gradient(checks):
                                     ["copy_", 576]]), c
 
 
+def test_a_gradient_one_rank_lacks_is_averaged_with_zeros_in_the_same_layout(checks):
+    # A channels_last conv that only rank 0 uses: its weight moves by half rank 0's gradient on
+    # both ranks (Horovod sends zeros for rank 1; laid out as the parameter, not contiguous).
+    c = checks["unused_on_one_rank"]
+    assert c["max_diff"] < 1e-6 and c["ranks_equal"] is True, c
+
+
 @pytest.mark.parametrize("op", ["average", "broadcast"])
 def test_sync_buffers_makes_batchnorm_statistics_equal(checks, op):
     b = checks["batchnorm"][op]

@@ -95,6 +95,42 @@ def step_copies(rank):
     return out
 
 
+class TwoBranches(nn.Module):
+    """Two 3x3 convs; ``use_b`` False leaves ``b`` without a gradient (control flow)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Conv2d(3, 4, 3), nn.Conv2d(3, 4, 3)
+
+    def forward(self, x, use_b):
+        out = self.a(x)
+        return out + self.b(x) if use_b else out
+
+
+def unused_on_one_rank(rank):
+    """channels_last weights; rank 1 gives ``b`` no gradient. Every gradient goes through the
+    all-reduce in its memory order, so the zeros Horovod sends for rank 1 must be laid out as
+    rank 0's gradient is. Returns the largest difference of ``b``'s weight after one SGD step
+    from ``w - lr * g0 / 2`` (g0: rank 0's gradient, the average with rank 1's zeros), and
+    whether the ranks agree."""
+    model = TwoBranches().to(memory_format=torch.channels_last)
+    w0 = model.b.weight.detach().clone()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = ht.distribute(model, optimizer, lr_scaling="none")
+    x = torch.randn(2, 3, 5, 5, generator=torch.Generator().manual_seed(7 + rank))
+    x = x.to(memory_format=torch.channels_last)
+    model(x, use_b=rank == 0).square().mean().backward()
+    g0 = model.b.weight.grad.detach().clone() if rank == 0 else torch.zeros_like(w0)
+    optimizer.step()
+    g0 = hvd.broadcast(g0.contiguous(), root_rank=0, name="layout.g0")
+    expected = w0 - 0.1 * g0 / 2
+    w = model.b.weight.detach()
+    gathered = hvd.allgather_object(w.tolist(), name="layout.unused")
+    return {"max_diff": float((w - expected).abs().max()),
+            "ranks_equal": all(g == gathered[0] for g in gathered)}
+
+
 def running_stats(model):
     return torch.cat([b.double().flatten() for n, b in model.named_buffers()
                       if "running" in n])
@@ -147,6 +183,7 @@ def main() -> None:
     info = ht.init(seed=1)
     result = {"size": info.size, "device": info.device, "layouts": layouts(info.rank),
               "step_copies": step_copies(info.rank),
+              "unused_on_one_rank": unused_on_one_rank(info.rank),
               "batchnorm": batchnorm(info.rank)}
     if info.is_root:
         with open(args.out, "w") as handle:

@@ -8,7 +8,8 @@ import pytest
 pytest.importorskip("ray.train", reason="needs ray[train] (HVDTRAIN_ENGINES=ray bash "
                     "scripts/setup_engines.sh)")
 
-from hvdtrain.ray.job import checkpoint_files, option_value, restart_argv  # noqa: E402
+from hvdtrain.launch.engine_args import train_config  # noqa: E402
+from hvdtrain.ray.job import checkpoint_files, restart_argv  # noqa: E402
 
 TRAIN = ["hvdtrain", "train", "--dataset", "digits", "--output-dir", "runs/x"]
 
@@ -19,9 +20,16 @@ def test_a_restarted_train_command_resumes_auto():
     assert restart_argv(TRAIN + ["--resume", "yes"], 2) == TRAIN + ["--resume", "yes"]
     assert restart_argv(TRAIN + ["--resume=auto"], 1) == TRAIN + ["--resume=auto"]
     assert restart_argv(["python", "train.py"], 1) == ["python", "train.py"]
-    assert option_value(TRAIN, "--output-dir") == "runs/x"
-    assert option_value(["hvdtrain", "train", "--output-dir=a"], "--output-dir") == "a"
-    assert option_value(TRAIN, "--epochs") is None
+
+
+def test_the_output_dir_is_read_as_hvdtrain_train_reads_it():
+    # #48 item 2: the directory rank 0 reports from (final numbers, last checkpoint) is the one
+    # hvdtrain train writes: its default, an abbreviation argparse accepts, the = form.
+    assert str(train_config(TRAIN).output_dir) == "runs/x"
+    assert str(train_config(["hvdtrain", "train", "--output-dir=a"]).output_dir) == "a"
+    assert str(train_config(["hvdtrain", "train", "--output", "b"]).output_dir) == "b"
+    assert str(train_config(["hvdtrain", "train"]).output_dir) == "runs/latest"
+    assert train_config(["python", "train.py", "--output-dir", "c"]) is None
 
 
 def test_checkpoint_files_are_the_last_checkpoint_and_metrics(tmp_path):

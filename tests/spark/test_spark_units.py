@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 from hvdtrain.launch import ranks
-from hvdtrain.cli import check_train_command
+from hvdtrain.launch.engine_args import check_train_command
 
 
 def test_ranks_are_contiguous_per_host_and_task_0_is_rank_0():
@@ -25,6 +25,26 @@ def test_hvdtrain_train_options_are_checked_before_spark_starts():
                           timeout=60)
     assert proc.returncode == 2 and "--no-such-option" in proc.stderr
     assert "SparkContext" not in proc.stderr and "starting" not in proc.stderr
+
+
+def test_a_command_that_is_not_found_exits_2_before_an_engine_starts(tmp_path):
+    # #48 item 1: a typo in the command was a "lost executor" on a cluster and a traceback
+    # driver-local; now every engine stops on the driver, exit 2, naming the command.
+    for engine, np_ in (("hvdtrain.spark", "2"), ("hvdtrain.spark", "-2"), ("hvdtrain.ray", "2")):
+        proc = subprocess.run([sys.executable, "-m", engine, "-np", np_, "--", "hvdtrian",
+                               "train", "--dataset", "digits"], capture_output=True, text=True,
+                              cwd=tmp_path, timeout=120)
+        assert proc.returncode == 2, (engine, np_, proc.stderr[-2000:])
+        assert "command not found: 'hvdtrian'" in proc.stderr, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr
+    # a path works (relative to the working directory), and --env PATH is where ranks look
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/sh\nexit 0\n")
+    script.chmod(0o755)
+    from hvdtrain.launch.engine_args import find_command
+    assert find_command(str(script)) == str(script)
+    assert find_command("job.sh", {"PATH": str(tmp_path)}) == str(script)
+    assert find_command("job.sh") is None
 
 
 def test_adapters_import_no_engine():

@@ -47,7 +47,7 @@ def test_dense_layouts_are_sent_as_views_of_their_own_memory():
     for grad in (torch.randn(8, 3, 3, 3).contiguous(memory_format=torch.channels_last),
                  torch.randn(8, 3, 1, 1).contiguous(memory_format=torch.channels_last),
                  torch.randn(2, 3, 4, 5, 6).contiguous(memory_format=torch.channels_last_3d),
-                 torch.randn(5, 7).t()):
+                 torch.randn(5, 7).t(), torch.randn(4, 1, 3).transpose(0, 2)):
         sent, ctx = layout.compress(grad)
         assert sent.is_contiguous() and sent.data_ptr() == grad.data_ptr()
         sent.mul_(2)  # what the in-place all-reduce does to it
@@ -66,3 +66,15 @@ def test_dense_layouts_are_sent_as_views_of_their_own_memory():
     back = fp16.decompress(sent, ctx)
     assert back.dtype == grad.dtype and back.stride() == grad.stride()
     assert torch.allclose(back, grad, atol=1e-2)
+
+
+def test_one_memory_layout_is_always_sent_as_one_shape():
+    # Size-1 dimensions carry any stride; the view must not depend on it, or two ranks with the
+    # same memory order would send different shapes (Horovod: mismatched shapes).
+    import torch
+
+    from hvdtrain.torch.buffers import contiguous_view
+    a = torch.randn(2, 3, 4, 1).contiguous(memory_format=torch.channels_last)
+    b = torch.empty_strided((2, 3, 4, 1), (12, 1, 3, 99))  # the same memory order
+    assert not a.is_contiguous() and not b.is_contiguous()
+    assert contiguous_view(a)[0].shape == contiguous_view(b)[0].shape == (2, 4, 3, 1)
