@@ -58,6 +58,16 @@ def is_train_command(command: list[str]) -> bool:
         command[1] == "train"
 
 
+def with_resume_auto(command: list[str]) -> list[str]:
+    """``command`` with ``--resume auto`` added when it is ``hvdtrain train`` without a
+    ``--resume``: a run started again (a restarted Ray worker group, a launcher pod the operator
+    starts again) continues from the last checkpoint in its output directory."""
+    if is_train_command(command) and not any(a == "--resume" or a.startswith("--resume=")
+                                             for a in command):
+        return [*command, "--resume", "auto"]
+    return list(command)
+
+
 def train_config(command: list[str]):
     """The :class:`hvdtrain.config.TrainConfig` of an ``hvdtrain train ...`` command (argv),
     built from its options as ``hvdtrain train`` parses them: defaults filled in (``output_dir``:

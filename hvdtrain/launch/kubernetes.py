@@ -25,7 +25,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-from hvdtrain.launch.engine_args import output_dir_of
+from hvdtrain.launch.engine_args import output_dir_of, with_resume_auto
 from hvdtrain.launch.signals import LAUNCH_ID_VAR
 
 MPIJOB_API = "kubeflow.org/v2beta1"
@@ -126,11 +126,7 @@ def check(opts: KubeOptions, np_: int) -> int:
 def job_command(command: list[str]) -> list[str]:
     """``command`` with ``--resume auto`` added when it is ``hvdtrain train`` without
     ``--resume``: a launcher the operator starts again continues from the last checkpoint."""
-    if len(command) >= 2 and command[0].rsplit("/", 1)[-1] == "hvdtrain" and \
-            command[1] == "train" and not any(a == "--resume" or a.startswith("--resume=")
-                                              for a in command):
-        return [*command, "--resume", "auto"]
-    return list(command)
+    return with_resume_auto(command)
 
 
 def worker_host(name: str, index: int, namespace: str = "default") -> str:

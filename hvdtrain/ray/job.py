@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from hvdtrain.launch import ranks
-from hvdtrain.launch.engine_args import is_train_command, train_config
+from hvdtrain.launch.engine_args import train_config, with_resume_auto
 from hvdtrain.ray.backend import ATTEMPT_VAR, HorovodConfig
 
 
@@ -46,11 +46,7 @@ def restart_argv(command: list[str], attempt: int) -> list[str]:
     """``command`` for start ``attempt`` of the group: from the first restart on, ``hvdtrain
     train`` without a ``--resume`` gets ``--resume auto`` (continue from the last checkpoint in
     its ``--output-dir``)."""
-    argv = list(command)
-    if attempt > 0 and is_train_command(argv) and \
-            not any(a == "--resume" or a.startswith("--resume=") for a in argv):
-        argv += ["--resume", "auto"]
-    return argv
+    return with_resume_auto(command) if attempt > 0 else list(command)
 
 
 def command_loop(config: dict) -> None:

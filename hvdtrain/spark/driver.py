@@ -28,18 +28,21 @@ class SparkJobError(RuntimeError):
     Attributes:
         lost: ``"rank R (Spark task P on HOST)"`` of the first task whose executor vanished
             before its rank ended, or None.
-        exit_codes: ``{rank: status}`` of the ranks that ended with a non-zero status.
-        cause: the rank that caused the failure, the one the message names first
-            (:func:`hvdtrain.launch.ranks.cause_first`; the others often failed only because it
-            did), or None when no rank exited non-zero.
+        exit_codes: ``{rank: status}`` of the ranks that ended with a non-zero status, the
+            rank that caused the failure first (:func:`hvdtrain.launch.ranks.cause_first`; the
+            others often failed only because it did).
+        cause: that first rank, the one the message names first; None when no rank exited
+            non-zero.
     """
 
     def __init__(self, message: str, lost: str | None = None,
-                 exit_codes: dict[int, int] | None = None, cause: int | None = None):
+                 exit_codes: dict[int, int] | None = None):
         super().__init__(message)
         self.lost, self.exit_codes = lost, dict(exit_codes or {})
-        self.cause = cause if cause is not None or not self.exit_codes else next(
-            iter(self.exit_codes))
+
+    @property
+    def cause(self) -> int | None:
+        return next(iter(self.exit_codes), None)
 
 
 class NotEnoughSlotsError(SparkJobError):
@@ -199,7 +202,7 @@ def _job_error(exc: Exception, service: DriverService, num_proc: int,
         parts.append(f"the Spark stage failed after {seconds:.1f} s")
     parts.append(f"Spark: {spark_line}")
     return SparkJobError("\n".join(parts), lost=lost.where() if lost else None,
-                         exit_codes=codes, cause=failed[0].rank if failed else None)
+                         exit_codes=codes)
 
 
 def _spark_reason(exc: Exception) -> str:

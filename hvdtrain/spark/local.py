@@ -49,8 +49,7 @@ def run_local(n: int, payload: bytes | None = None, command: list[str] | None = 
                     procs.append(ranks.RankProcess(argv, e, sink if slot.rank == 0 else None))
                 except OSError as exc:
                     raise SparkJobError(f"rank {slot.rank} (a process on the driver) cannot "
-                                        f"start: {exc}", exit_codes={slot.rank: 127},
-                                        cause=slot.rank) from exc
+                                        f"start: {exc}", exit_codes={slot.rank: 127}) from exc
             failed = _wait_all(procs, [Path(tmp) / f"result{slot.rank}.pkl" for slot in plan]
                                if payload is not None else None)
             if failed:
@@ -58,7 +57,7 @@ def run_local(n: int, payload: bytes | None = None, command: list[str] | None = 
                 raise SparkJobError(
                     f"rank {rank} (a process on the driver) {ranks.describe_exit(code)}; its "
                     f"last output:\n{procs[rank].tail_text()[-1500:].rstrip()}",
-                    exit_codes={rank: code}, cause=rank)
+                    exit_codes={rank: code})
             for slot in plan:
                 if return_all or slot.rank == 0:
                     result = (Path(tmp) / f"result{slot.rank}.pkl").read_bytes() \

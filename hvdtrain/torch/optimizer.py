@@ -183,8 +183,8 @@ def _synchronize(self) -> None:
         sent, _ = _sent(ctx)
         if sent is not None and p.grad is not sent:
             _collect(self, p, keep=False)
-    for p in self._requires_update - set(self._handles):
-        if p.grad is None:
+    for p in self._requires_update:
+        if p.grad is None and p not in self._handles:
             # Horovod would send a contiguous zero tensor for a parameter this rank gave no
             # gradient (control flow); DenseLayout sends a channels_last gradient in memory
             # order, so the zeros take the parameter's layout, as the other ranks' gradients do.
