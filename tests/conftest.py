@@ -8,8 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-# The main job (--dataset mnist and its recipe) on PyTorch, every step's loss on TensorBoard.
-MNIST_TORCH_ARGS = ("--framework", "torch", "--dataset", "mnist", "--log-every", "1")
+from mnist_main_job import MNIST_TORCH_ARGS  # tests/mnist_main_job.py (tests/ is on sys.path)
 
 
 @pytest.fixture(scope="session")

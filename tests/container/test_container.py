@@ -84,7 +84,9 @@ def test_cpu_image_builds_and_trains_alone_and_as_a_two_container_cluster(tmp_pa
     assert main["size"] == 2 and main["hosts"] == 1
     # The README's main job: MNIST, cached in the image at build time (no download when it runs).
     assert main["dataset"] == "mnist" and main["train_samples"] == 60000
-    assert main["final_test_accuracy"] >= 0.985, main["final_test_accuracy"]
+    # The recipe's 4 epochs reach 98.9 % (99.02 % seen, as under horovodrun on the host); the engine
+    # suites run one epoch of it and lean on this check for the PyTorch figure.
+    assert main["final_test_accuracy"] >= 0.989, main["final_test_accuracy"]
     assert summary["main"]["final_test_accuracy"] == main["final_test_accuracy"]
 
     cluster = _metrics(out / "cluster")

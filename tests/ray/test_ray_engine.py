@@ -13,6 +13,7 @@ import numpy as np
 import psutil
 import pytest
 
+from mnist_main_job import ONE_EPOCH_ACCURACY
 from raycluster import ray_env
 
 HERE = Path(__file__).resolve().parent
@@ -106,9 +107,10 @@ def test_python_api_allreduce_on_two_nodes(ray_cluster, tmp_path):
 
 def test_mnist_torch_through_ray_equals_horovodrun_step_by_step(ray_cluster, tmp_path,
                                                               horovodrun_mnist_torch):
-    """The main job (``--dataset mnist`` and its recipe) at 2 ranks through Ray: >= 98.9 %, and
-    every per-step training loss of rank 0 and every epoch's numbers equal those of
-    ``horovodrun -np 2`` with the same seed (the session's reference run, tests/conftest.py).
+    """One epoch of the main job (``--dataset mnist`` and its recipe, ``MNIST_TORCH_ARGS``) at 2
+    ranks through Ray: every per-step training loss of rank 0 and the epoch's numbers equal those
+    of ``horovodrun -np 2`` with the same seed (the session's reference run, tests/conftest.py),
+    and the accuracy above ``ONE_EPOCH_ACCURACY``.
 
     Both runs give each rank the same shard in the same order with the same seed, and a
     two-rank all-reduce adds the same two numbers whatever carries them (MPI under horovodrun,
@@ -121,9 +123,9 @@ def test_mnist_torch_through_ray_equals_horovodrun_step_by_step(ray_cluster, tmp
     print(f"MNIST torch: Ray {m['final_test_accuracy']:.4f}, horovodrun "
           f"{ref['final_test_accuracy']:.4f}")
     assert m["engine"] == "ray" and ref["engine"] is None and m["size"] == 2
-    assert m["final_test_accuracy"] >= 0.989
+    assert m["final_test_accuracy"] >= ONE_EPOCH_ACCURACY
     ours, theirs = step_losses(ray_out), step_losses(ref_out)
-    assert sorted(ours) == sorted(theirs) and len(ours) == 4 * m["steps_per_epoch"] == 4 * 938
+    assert sorted(ours) == sorted(theirs) and len(ours) == m["steps_per_epoch"] == 938
     a = np.array([ours[k] for k in sorted(ours)])
     b = np.array([theirs[k] for k in sorted(theirs)])
     print(f"per-step loss: max relative difference {(np.abs(a - b) / np.abs(b)).max():.3g}, "
@@ -140,17 +142,18 @@ def test_mnist_torch_through_ray_equals_horovodrun_step_by_step(ray_cluster, tmp
 
 
 def test_mnist_keras_through_ray(ray_cluster, tmp_path):
-    """The Keras main job (TensorFlow backend) at 2 ranks through Ray: >= 98.9 %. Its output
+    """One epoch of the Keras main job (TensorFlow backend) at 2 ranks through Ray: above
+    ``ONE_EPOCH_ACCURACY`` (97.9 % seen; the 4 epochs to >= 98.9 % run through Spark). Its output
     directory given as ``--output DIR``, an abbreviation ``hvdtrain train`` accepts: Ray Train
     still gets the run's final numbers and last checkpoint (#48 item 2: they came only with
     ``--output-dir`` spelled out)."""
     out = tmp_path / "keras"
     run(ray_train(ray_cluster, out, tmp_path / "storage", "--framework", "keras", "--dataset",
-                  "mnist", extra=("--name", "k"), out_flag="--output"))
+                  "mnist", "--epochs", "1", extra=("--name", "k"), out_flag="--output"))
     m = metrics(out)
     print(f"MNIST keras via Ray: {m['final_test_accuracy']:.4f}")
     assert m["engine"] == "ray" and m["framework"] == "keras" and m["size"] == 2
-    assert len(m["epochs"]) == 4 and m["final_test_accuracy"] >= 0.989
+    assert len(m["epochs"]) == 1 and m["final_test_accuracy"] >= ONE_EPOCH_ACCURACY
     ckpts = [p for p in (tmp_path / "storage" / "k").glob("checkpoint_*") if p.is_dir()]
     assert len(ckpts) == 1
     names = {p.name for p in ckpts[0].iterdir()}
