@@ -6,7 +6,7 @@
 #                                              # (default .venv/bin/python)
 #
 # 1. A Java runtime for Spark when `java` is missing: Debian's default-jre-headless.
-# 2. pyspark (hvdtrain[spark]) and ray[train] (hvdtrain[ray]) at the versions pinned in
+# 2. pyspark[connect] (hvdtrain[spark]) and ray[train] (hvdtrain[ray]) at the versions pinned in
 #    requirements/constraints.txt. pyspark 4.x comes as a ~450 MB source archive: the first
 #    install takes a minute or two (pip caches the wheel it builds).
 #
@@ -54,7 +54,11 @@ fi
 specs=()
 if [ $want_spark = 1 ]; then
   v=$(pinned pyspark)
-  [ "$(installed pyspark)" = "$v" ] || specs+=("pyspark==$v")
+  # [connect]: Spark Connect's client, so that a Connect session is told apart and refused.
+  if [ "$(installed pyspark)" != "$v" ] ||
+     ! "$PY" -c 'import grpc_status, zstandard, pandas, pyarrow' 2>/dev/null; then
+    specs+=("pyspark[connect]==$v")
+  fi
 fi
 if [ $want_ray = 1 ]; then
   v=$(pinned ray)

@@ -59,7 +59,9 @@ def active_context(spark=None, master: str | None = None, app_name: str = "hvdtr
         ``(context, created)``: ``created`` is True when this call made the session.
 
     Raises:
-        SparkJobError: ``spark`` is a Spark Connect session (no SparkContext; see the docs).
+        SparkJobError: ``spark`` is a Spark Connect session, or the session this call would use
+            is one (``SPARK_REMOTE`` set): Spark Connect has no SparkContext, which barrier mode
+            and the slot count need; or ``spark`` is neither a SparkSession nor a SparkContext.
     """
     try:
         from pyspark import SparkContext
@@ -67,12 +69,16 @@ def active_context(spark=None, master: str | None = None, app_name: str = "hvdtr
         raise SparkJobError("hvdtrain.spark needs pyspark: pip install 'hvdtrain[spark]' (or "
                             "bash scripts/setup_engines.sh in a checkout)") from exc
     if spark is not None:
-        if hasattr(spark, "sparkContext"):
-            try:
-                return spark.sparkContext, False
-            except Exception as exc:  # Spark Connect sessions have none
-                raise SparkJobError(_CONNECT_MESSAGE) from exc
-        return spark, False
+        if is_connect_session(spark):
+            raise SparkJobError(_CONNECT_MESSAGE)
+        if isinstance(spark, SparkContext):
+            return spark, False
+        from pyspark.sql import SparkSession
+        if isinstance(spark, SparkSession):
+            return spark.sparkContext, False
+        raise SparkJobError(f"spark= takes a SparkSession or a SparkContext, not "
+                            f"{type(spark).__name__} {spark!r:.80}; leave it out to use the "
+                            f"active session (or a new one from spark-submit's settings)")
     active = SparkContext._active_spark_context
     if active is not None:
         return active, False
@@ -82,7 +88,17 @@ def active_context(spark=None, master: str | None = None, app_name: str = "hvdtr
         builder = builder.master(master)
     for key, value in SESSION_CONF.items():
         builder = builder.config(key, value)
-    return builder.getOrCreate().sparkContext, True
+    session = builder.getOrCreate()
+    if is_connect_session(session):  # SPARK_REMOTE (or spark.api.mode=connect) chose Connect
+        raise SparkJobError(_CONNECT_MESSAGE)
+    return session.sparkContext, True
+
+
+def is_connect_session(spark) -> bool:
+    """Whether ``spark`` is a Spark Connect session (``pyspark.sql.connect``): a client of a
+    remote driver, with no SparkContext. Told by its class, as asking it for ``sparkContext``
+    raises ``PySparkAttributeError`` (an AttributeError) there."""
+    return type(spark).__module__.startswith("pyspark.sql.connect")
 
 
 _CONNECT_MESSAGE = ("hvdtrain.spark needs classic Spark (a SparkContext: barrier mode, the task "

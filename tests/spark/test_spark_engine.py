@@ -34,8 +34,8 @@ def horovodrun_train(out, *args):
             "--output-dir", str(out), "--no-progress", *args]
 
 
-def run(argv, timeout=TIMEOUT, check=True):
-    proc = subprocess.run(argv, env=spark_job_env(), capture_output=True, text=True,
+def run(argv, timeout=TIMEOUT, check=True, env=None):
+    proc = subprocess.run(argv, env=env or spark_job_env(), capture_output=True, text=True,
                           timeout=timeout)
     if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(argv)} exited {proc.returncode}\n--- stdout\n"
@@ -236,3 +236,20 @@ def test_the_exit_status_is_the_rank_the_message_blames(spark_cluster):
     message = proc.stderr.split("hvdtrain.spark: error: ", 1)[-1]
     assert message.startswith("rank 1 (Spark task "), proc.stderr[-3000:]
     assert "exited with 5" in message.splitlines()[0], proc.stderr[-3000:]
+
+
+def test_a_spark_connect_session_is_refused_with_the_documented_error(tmp_path):
+    """#48 item 3: a Spark Connect session (``SparkSession.builder.remote``) has no SparkContext.
+    ``hasattr(session, "sparkContext")`` is False there (its ``__getattr__`` raises
+    PySparkAttributeError), so the session was taken for a SparkContext and run() failed with
+    ``AttributeError: ... getConf``; now SparkJobError says what to do (docs/engines/spark.md,
+    Limits)."""
+    out = tmp_path / "connect.json"
+    run([sys.executable, str(HERE / "spark_connect_job.py"), str(out)], timeout=300,
+        env={**spark_job_env(), "SPARK_TESTING": "1"})
+    r = json.loads(out.read_text())
+    assert r["session_module"].startswith("pyspark.sql.connect") and r["works"] == 3
+    for call in ("run", "run_command"):
+        assert r[call]["error"] == "SparkJobError", r[call]
+        assert r[call]["message"].startswith("hvdtrain.spark needs classic Spark"), r[call]
+        assert "Spark Connect session" in r[call]["message"]

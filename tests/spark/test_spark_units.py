@@ -100,3 +100,15 @@ def test_driver_local_run_names_the_rank_that_raised(tmp_path):
         assert err["message"].startswith("rank 1 (a process on the driver) exited with 1")
         assert "ValueError: boom on rank 1" in err["message"]
         assert err["codes"] == {"1": 1}
+
+
+def test_spark_must_be_a_session_or_a_context():
+    # A master URL where the session goes (a habit from SparkSession.builder.master) is refused
+    # by name before Spark starts, not taken for a SparkContext.
+    import pytest
+
+    import hvdtrain.spark as hs
+    from hvdtrain.spark.driver import SparkJobError
+    with pytest.raises(SparkJobError, match="spark= takes a SparkSession or a SparkContext, not "
+                                            "str 'local\\[2\\]'"):
+        hs.run(print, num_proc=1, spark="local[2]")
