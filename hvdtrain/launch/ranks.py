@@ -6,8 +6,10 @@ driver (``num_proc < 0``, :mod:`hvdtrain.spark.local`) and in Ray Train's worker
 """
 from __future__ import annotations
 
-import ctypes
+import contextlib
+import errno
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -121,11 +123,6 @@ def rank_path(extra: dict[str, str] | None = None) -> str:
     return f"{Path(sys.executable).parent}{os.pathsep}{path}"
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def function_argv(payload: Path, result: Path) -> list[str]:
     """argv of a rank that runs a pickled function (:mod:`hvdtrain.spark.rank_main`)."""
     return [sys.executable, "-m", "hvdtrain.spark.rank_main", str(payload), str(result)]
@@ -133,25 +130,45 @@ def function_argv(payload: Path, result: Path) -> list[str]:
 
 class RankProcess:
     """A rank's child process: stdout and stderr merged, read in chunks and handed to ``sink``
-    (rank 0's go to the driver), the last :data:`TAIL_BYTES` kept for error messages. The child
-    gets SIGKILL when the process that started it dies (Linux ``PR_SET_PDEATHSIG``), so a task
-    that Spark kills, or an executor that dies, leaves no rank behind.
+    (rank 0's go to the driver), the last :data:`TAIL_BYTES` kept for error messages.
+
+    On Linux the command runs under :mod:`hvdtrain.launch.rank_leader`, in a process group of
+    its own: when the process that started it dies (a task Spark kills, an executor or Ray
+    worker that goes away) the whole group gets SIGKILL (``PR_SET_PDEATHSIG``); :meth:`kill`
+    ends the whole group; what the command started and left behind ends with it; signals sent
+    with :meth:`send_signal` reach the command. So no rank, and nothing a rank started, outlives
+    the job.
 
     Args:
         argv: the command.
         env: its environment (:func:`rank_env`).
         sink: called with each chunk of output (bytes), from a reader thread.
         cwd: its working directory (default: this process's).
+
+    Raises:
+        FileNotFoundError: ``argv[0]`` is not a file and not found on ``env``'s ``PATH``.
+        OSError: the process cannot be started.
     """
 
     def __init__(self, argv: list[str], env: dict[str, str],
                  sink: Callable[[bytes], None] | None = None, cwd: str | None = None):
         self.tail = b""
         self._sink = sink
+        program = argv[0]
+        if os.sep in program:
+            found = os.path.join(cwd or os.getcwd(), program)
+            found = found if os.access(found, os.X_OK) and os.path.isfile(found) else None
+        else:
+            found = shutil.which(program, path=env.get("PATH", os.defpath))
+        if found is None:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
+        self.grouped = sys.platform == "linux"
+        if self.grouped:
+            argv = [sys.executable, "-m", "hvdtrain.launch.rank_leader", str(os.getpid()), "--",
+                    *argv]
         self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     preexec_fn=_die_with_parent if sys.platform == "linux"
-                                     else None)
+                                     process_group=0 if self.grouped else None)
         self._reader = threading.Thread(target=self._pump, daemon=True, name="hvdtrain-rank-out")
         self._reader.start()
 
@@ -172,15 +189,67 @@ class RankProcess:
         """Wait for the child and its output; its exit status (negative: killed by a signal)."""
         code = self.proc.wait(timeout)
         self._reader.join(10)
-        self.proc.stdout.close()
+        # The pipe ends when the rank's process group has (its leader ends the group). A process
+        # that left the group (setsid) may hold it longer: then the reader keeps the file open,
+        # since closing it under a blocked os.read could hand its number to another file.
+        if not self._reader.is_alive():
+            self.proc.stdout.close()
         return code
 
     def kill(self) -> None:
+        """SIGKILL to the rank and everything in its process group (nothing when all ended)."""
+        if self.grouped:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                return
+            except (ProcessLookupError, PermissionError):
+                pass
         if self.proc.poll() is None:
             self.proc.kill()
 
+    def send_signal(self, sig: int) -> None:
+        """Hand ``sig`` to the rank's command (its leader passes it on); nothing if it ended."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
     def tail_text(self) -> str:
         return self.tail.decode("utf-8", "replace")
+
+
+@contextlib.contextmanager
+def signals_to(procs: list[RankProcess]):
+    """While inside: SIGINT and SIGTERM sent to this process go on to every rank in ``procs``.
+
+    Each rank runs in a process group of its own (:class:`RankProcess`), so a terminal's Ctrl-C
+    reaches only this process; this hands it on, as ``horovodrun`` does, and ``hvdtrain train``
+    ranks stop (SIGINT) or write their stop checkpoint (SIGTERM) and exit. A second SIGINT raises
+    KeyboardInterrupt at once (the caller then kills the ranks). On leaving, the first signal
+    received acts here as it would have: KeyboardInterrupt for SIGINT, the previous handler (by
+    default: the end of this process) for SIGTERM. Outside the main thread nothing changes
+    (Python takes signals there only).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        for proc in procs:
+            proc.send_signal(signum)
+        if received.count(signal.SIGINT) > 1:
+            raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received and received[0] == signal.SIGINT:
+        raise KeyboardInterrupt
+    if received:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 # Text of a rank that failed because another one did first: Horovod's shutdown notice and Gloo's

@@ -35,8 +35,10 @@ def run(main, num_proc: int, args: tuple = (), kwargs: dict | None = None, *, sp
     """Run ``main(*args, **kwargs)`` as ``num_proc`` Horovod ranks on Spark tasks and return rank
     0's return value.
 
-    Each rank is a child process of its Spark task (so a rank's crash, or a task Spark kills,
-    leaves no process behind) with the variables ``horovodrun``'s Gloo launcher sets;
+    Each rank is a child process of its Spark task, in a process group of its own that ends
+    whole (so a rank's crash, a task Spark kills, or a process the rank started leaves nothing
+    behind: :class:`hvdtrain.launch.ranks.RankProcess`) with the variables ``horovodrun``'s
+    Gloo launcher sets;
     ``hvd.init()`` inside ``main`` joins them. Rank 0's stdout and stderr are streamed to
     ``stdout`` on the driver; every rank's output is also in its executor's stderr log.
 

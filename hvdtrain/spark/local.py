@@ -50,8 +50,9 @@ def run_local(n: int, payload: bytes | None = None, command: list[str] | None = 
                 except OSError as exc:
                     raise SparkJobError(f"rank {slot.rank} (a process on the driver) cannot "
                                         f"start: {exc}", exit_codes={slot.rank: 127}) from exc
-            failed = _wait_all(procs, [Path(tmp) / f"result{slot.rank}.pkl" for slot in plan]
-                               if payload is not None else None)
+            with ranks.signals_to(procs):  # Ctrl-C: the ranks have process groups of their own
+                failed = _wait_all(procs, [Path(tmp) / f"result{slot.rank}.pkl" for slot in plan]
+                                   if payload is not None else None)
             if failed:
                 rank, code = failed
                 raise SparkJobError(

@@ -4,6 +4,7 @@ on 127.0.0.1): the Ray Train backend through the Python API, the ``hvdtrain trai
 mid-run (the group restarts and resumes from the last checkpoint), and bad input failing fast.
 Numbers come from the files the runs write, never from their output."""
 import json
+import os
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ import numpy as np
 import psutil
 import pytest
 
+from leftovers import left_after
 from mnist_main_job import ONE_EPOCH_ACCURACY
 from raycluster import ray_env
 
@@ -241,3 +243,17 @@ def test_bad_input_fails_fast(ray_cluster, tmp_path):
               timeout=60, check=False)
     assert bad.returncode == 2 and "--epochs must be a whole number >= 1" in bad.stderr
     assert not (tmp_path / "storage").exists()
+
+
+def test_a_ranks_own_children_end_with_it(ray_cluster, tmp_path):
+    """#48 item 4 in Ray's workers: rank 1 exits 3, rank 0's shell had started a ``sleep`` (as
+    ``-- bash train.sh`` starts ``python train.py``). Ray gives up (exit 1) and nothing either
+    rank started is left on the nodes (the rank's process group ends whole)."""
+    marker = f"176.{os.getpid()}"
+    script = f'if [ "$HOROVOD_RANK" = 1 ]; then exit 3; fi; sleep {marker}; exit 0'
+    proc = run([sys.executable, "-m", "hvdtrain.ray", "--address", ray_cluster.address, "-np",
+                "2", "--storage-path", str(tmp_path / "storage"), "--", "sh", "-c", script],
+               timeout=300, check=False)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "exited with 3" in proc.stdout + proc.stderr
+    assert left_after(marker) == []

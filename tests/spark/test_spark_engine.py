@@ -4,6 +4,7 @@ job through ``python -m hvdtrain.spark`` against ``horovodrun -np 2`` step by st
 to >= 98.9 % (Keras), a worker killed mid-job and the ``--resume auto`` rerun, and too many
 ranks for the slots."""
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import psutil
 import pytest
 
 from cluster import spark_job_env
+from leftovers import left_after
 from mnist_main_job import ONE_EPOCH_ACCURACY
 
 HERE = Path(__file__).resolve().parent
@@ -253,3 +255,15 @@ def test_a_spark_connect_session_is_refused_with_the_documented_error(tmp_path):
         assert r[call]["error"] == "SparkJobError", r[call]
         assert r[call]["message"].startswith("hvdtrain.spark needs classic Spark"), r[call]
         assert "Spark Connect session" in r[call]["message"]
+
+
+def test_a_ranks_own_children_end_with_it_on_the_executors(spark_cluster, tmp_path):
+    """#48 item 4 on the cluster: rank 1 exits 3, rank 0's shell had started a ``sleep`` (as
+    ``-- bash train.sh`` starts ``python train.py``). The job ends with rank 1's status, and
+    nothing either rank started is left on the workers (the rank's process group ends whole)."""
+    marker = f"175.{os.getpid()}"
+    script = f'if [ "$HOROVOD_RANK" = 1 ]; then exit 3; fi; sleep {marker}; exit 0'
+    proc = run([sys.executable, "-m", "hvdtrain.spark", "--master", spark_cluster.url, "-np",
+                "2", "--", "sh", "-c", script], timeout=300, check=False)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert left_after(marker) == []

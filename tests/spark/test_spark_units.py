@@ -1,10 +1,12 @@
 """hvdtrain.spark without a cluster: the rank layout, the command line's checks before Spark starts,
 and that the framework adapters never import an engine."""
+import os
 import subprocess
 import sys
 
 from hvdtrain.launch import ranks
 from hvdtrain.launch.engine_args import check_train_command
+from leftovers import left_after  # tests/leftovers.py
 
 
 def test_ranks_are_contiguous_per_host_and_task_0_is_rank_0():
@@ -112,3 +114,52 @@ def test_spark_must_be_a_session_or_a_context():
     with pytest.raises(SparkJobError, match="spark= takes a SparkSession or a SparkContext, not "
                                             "str 'local\\[2\\]'"):
         hs.run(print, num_proc=1, spark="local[2]")
+
+
+def test_driver_local_ranks_leave_nothing_they_started_behind(tmp_path):
+    """#48 item 4: a rank's own children end with it. Rank 1 exits 3; rank 0's shell, killed
+    for it, had started a ``sleep`` (as ``-- bash train.sh`` starts ``python train.py``), which
+    outlived the job with parent 1. And a rank that ends well leaves no background child."""
+    marker = f"173.{os.getpid()}"
+    failing = f'if [ "$HOROVOD_RANK" = 1 ]; then exit 3; fi; sleep {marker}; exit 0'
+    proc = subprocess.run([sys.executable, "-m", "hvdtrain.spark", "-np", "-2", "--", "sh",
+                           "-c", failing], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=120)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "rank 1 (a process on the driver) exited with 3" in proc.stderr, proc.stderr[-2000:]
+    assert left_after(marker) == []
+    marker = f"174.{os.getpid()}"
+    proc = subprocess.run([sys.executable, "-m", "hvdtrain.spark", "-np", "-2", "--", "sh",
+                           "-c", f"sleep {marker} & echo started"], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0 and "started" in proc.stdout, proc.stderr[-2000:]
+    assert left_after(marker) == []
+
+
+def test_ctrl_c_reaches_driver_local_ranks(tmp_path):
+    """Each rank runs in a process group of its own (so that it can be ended whole), which a
+    terminal's Ctrl-C does not reach: the driver hands SIGINT on to every rank, as horovodrun
+    does, and then stops as Ctrl-C stops it."""
+    import signal
+    import time
+    rank = f'{tmp_path}/rank.$HOROVOD_RANK'
+    script = (f'trap "touch {rank}.int; exit 9" INT; touch {rank}.ready; '
+              'while :; do sleep 0.05; done')
+    driver = subprocess.Popen([sys.executable, "-m", "hvdtrain.spark", "-np", "-2", "--", "sh",
+                               "-c", script], cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"rank.{r}.ready").exists() for r in (0, 1)):
+            assert driver.poll() is None, driver.communicate()[0][-2000:]
+            assert time.monotonic() < deadline, "the ranks did not start in 120 s"
+            time.sleep(0.05)
+        os.killpg(driver.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: its process group
+        output, _ = driver.communicate(timeout=60)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    assert (tmp_path / "rank.0.int").exists() and (tmp_path / "rank.1.int").exists(), output
+    assert driver.returncode == -signal.SIGINT, output[-2000:]
+    assert left_after(str(tmp_path)) == []
