@@ -33,6 +33,11 @@ PR_SET_PDEATHSIG = 1
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 
 
+def term_on_parent_death() -> None:
+    """Ask the kernel for SIGTERM when this process's parent dies (``PR_SET_PDEATHSIG``)."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def group_members(pgid: int) -> list[int]:
     """Process ids in process group ``pgid`` (from ``/proc/PID/stat``), this process left out."""
     found = []
@@ -72,7 +77,7 @@ def guard(leader: int) -> None:
             os.killpg(0, signal.SIGKILL)  # the group, this process last
 
     signal.signal(signal.SIGTERM, on_term)
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    term_on_parent_death()
     if os.getppid() != leader:
         os.killpg(0, signal.SIGKILL)
     while True:
@@ -94,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parent, command = int(argv[0]), argv[2:]
     os.setpgid(0, 0)
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    term_on_parent_death()
     if os.getppid() != parent:  # the parent died before the request above took effect
         return 1
     if os.fork() == 0:  # the guard (this process is single-threaded here: fork is safe)
