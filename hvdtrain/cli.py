@@ -166,6 +166,20 @@ def _preflight(args: argparse.Namespace) -> int:
     return 0
 
 
+WORKER_DESCRIPTION = (
+    "The main process of a worker pod of Kubeflow's MPI Operator (what hvdtrain launch --emit "
+    "mpijob writes): runs COMMAND (sshd -De), and on SIGTERM (a node drain, a preemption) sends "
+    "it to the ranks running in the pod and waits for them to write the stop checkpoint and "
+    "exit 75, then ends COMMAND; without it sshd exits at once and the ranks are killed with "
+    "the pod. Exit status: 0 after a SIGTERM, else COMMAND's.")
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """``hvdtrain worker -- COMMAND``: :func:`hvdtrain.launch.pod.main`."""
+    from hvdtrain.launch.pod import main as worker_main
+    return worker_main(args.command)
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     """Print one line per run directory from its ``metrics.json`` (either framework); with
     ``--json-out`` also write those rows as a JSON list (atomically). 1 when a file is unreadable,
@@ -336,6 +350,13 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                         help="the command each rank runs, after --")
     launch.set_defaults(func=cmd_launch)
+    worker = sub.add_parser("worker", help="a Kubernetes worker pod's main process: runs "
+                            "sshd; on SIGTERM the ranks in the pod checkpoint and exit first",
+                            description=WORKER_DESCRIPTION,
+                            usage="%(prog)s -- COMMAND [ARG ...]", formatter_class=_Formatter)
+    worker.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                        help="what the pod runs, e.g. -- /usr/sbin/sshd -De")
+    worker.set_defaults(func=cmd_worker)
     report = sub.add_parser("report", help="compare runs: one line per run directory",
                             description="One line per run directory of hvdtrain train, from its "
                             "metrics.json: framework, ranks, global batch, epochs, test "

@@ -25,6 +25,14 @@
 #    healthcheck passes (podman-compose 1.0.3 starts node1 without waiting, and podman runs no
 #    healthchecks by itself without systemd), then node1, whose exit status is waited for; its
 #    run goes to OUTDIR/cluster on the host (HVDTRAIN_RUN_DIR): 4 ranks on 2 hosts.
+# 7. Kubernetes without Kubernetes: the MPIJob that `hvdtrain launch --emit mpijob` writes (in the
+#    image), run by scripts/mpijob_contract.py as Kubeflow's MPI Operator would (worker pods with
+#    sshd and the operator's SSH Secret, a launcher with its hostfile and Open MPI variables; the
+#    PVC is OUTDIR/mpijob-runs), against the same training command under horovodrun -np 2 in one
+#    container (OUTDIR/reference); the test compares their metrics epoch by epoch.
+# 8. The eviction drill: the same MPIJob, worker 1 stopped as a node drain stops a pod once epoch
+#    1's checkpoint exists; the stop checkpoint, the worker made again, the launcher started
+#    again, and --resume auto to the end (OUTDIR/evict, OUTDIR/evict-runs).
 #
 # Writes OUTDIR/summary.json (the numbers the checks used, the image's size in bytes and the build
 # time in seconds) and the logs OUTDIR/*.log; prints one line per step.
@@ -69,7 +77,8 @@ OUT=${1:-$(mktemp -d /tmp/container_test.XXXXXX)}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 # What a previous run left in OUTDIR must not pass for this run's results.
-rm -rf "$OUT/main" "$OUT/cluster" "$OUT/summary.json" "$OUT"/*.log
+rm -rf "$OUT/main" "$OUT/cluster" "$OUT/mpijob" "$OUT/mpijob-runs" "$OUT/reference" \
+  "$OUT/evict" "$OUT/evict-runs" "$OUT/mpijob.yaml" "$OUT/summary.json" "$OUT"/*.log
 mkdir -p "$OUT/main" "$OUT/cluster"
 T_START=$SECONDS
 
@@ -349,8 +358,55 @@ step "compose cluster: node2 up and healthy, then node1 runs 4 ranks on 2 hosts"
   CLUSTER_RC=$?
 "${COMPOSE[@]}" down -v >>"$OUT/cluster.log" 2>&1 || true
 
+# ---- 7. an MPIJob under the MPI Operator's contract ----------------------------------------------
+# The manifest `hvdtrain launch --emit mpijob` writes (in the image, as a user with it would), run
+# by scripts/mpijob_contract.py as the operator would run it: two worker containers running
+# `sshd -De` with the operator's SSH Secret at /root/.ssh, then the launcher with the hostfile at
+# /etc/mpi/hostfile and the operator's Open MPI variables; the PVC is OUTDIR/mpijob-runs. The
+# reference: the same training command under horovodrun -np 2 in one container (OUTDIR/reference).
+MPIJOB=hvdtrain-ct-mpijob
+# From step 45 (epoch 2) each step takes >= 0.05 s, numbers unchanged: the eviction below, after
+# epoch 1's checkpoint, lands while the job runs on any machine.
+TRAIN=(hvdtrain train --framework torch --dataset digits --epochs 4 --no-progress
+       --fault-slow-from 45:0.05 --output-dir /runs/digits)
+mkdir -p "$OUT/mpijob-runs" "$OUT/reference" "$OUT/evict-runs"
+emit_mpijob() {
+  podman run --rm --name "$MAIN_CONTAINER" "$IMAGE" hvdtrain launch --emit mpijob --image "$IMAGE" \
+    -np 2 --slots-per-worker 1 --job-name "$MPIJOB" --pvc hvdtrain-runs -- "${TRAIN[@]}" \
+    >"$OUT/mpijob.yaml"
+}
+MPIJOB_RC=0
+REFERENCE_RC=0
+step "hvdtrain launch --emit mpijob -np 2 --slots-per-worker 1 (in the image)" mpijob emit_mpijob ||
+  MPIJOB_RC=$?
+step "reference: horovodrun -np 2 -H localhost:2 ${TRAIN[*]} --resume auto" reference \
+  podman run --rm --name "$MAIN_CONTAINER" -v "$OUT/reference:/runs/digits" "$IMAGE" \
+  horovodrun -np 2 -H localhost:2 "${TRAIN[@]}" --resume auto || REFERENCE_RC=$?
+if [ "$MPIJOB_RC" = 0 ]; then
+  step "MPIJob as the operator runs it: 2 worker pods (sshd -De), then the launcher (mpirun)" \
+    mpijob "$PY" "$ROOT/scripts/mpijob_contract.py" "$OUT/mpijob.yaml" "$OUT/mpijob" \
+    --claim "hvdtrain-runs=$OUT/mpijob-runs" || MPIJOB_RC=$?
+fi
+
+# ---- 8. the eviction drill -------------------------------------------------------------------
+# The same MPIJob again; once epoch 1's checkpoint is on the claim, worker 1 is stopped as a node
+# drain stops a pod (SIGTERM, SIGKILL after the manifest's grace period). Its hvdtrain worker hands
+# SIGTERM to its rank: all ranks stop after one step, rank 0 writes the stop checkpoint, mpirun
+# exits 75; the worker pod is made again and the launcher started again (OnFailure,
+# backoffLimit), and --resume auto continues from the checkpoint (OUTDIR/evict-runs).
+EVICT_RC=0
+if [ "$MPIJOB_RC" = 0 ]; then
+  step "eviction drill: worker 1 stopped after epoch 1, the launcher started again" evict \
+    "$PY" "$ROOT/scripts/mpijob_contract.py" "$OUT/mpijob.yaml" "$OUT/evict" \
+    --claim "hvdtrain-runs=$OUT/evict-runs" --evict-worker 1 \
+    --evict-after-file "$OUT/evict-runs/checkpoint.pt" || EVICT_RC=$?
+else
+  EVICT_RC=$MPIJOB_RC
+fi
+
 # ---- summary ----------------------------------------------------------------------------------
 export OUT TOOLS HAS_GIT_DIR PIP_IN_ENV PIP_IN_HISTORY DOCTOR_RC MAIN_RC CLUSTER_RC IMAGE IMAGE_BYTES
+export MPIJOB_RC REFERENCE_RC EVICT_RC
 export BUILD_SECONDS
 TOTAL_SECONDS=$((SECONDS - T_START))
 export TOTAL_SECONDS
@@ -375,6 +431,12 @@ summary = {
     "main": metrics("main"),
     "cluster_node1_exit": int(env["CLUSTER_RC"]),
     "cluster": metrics("cluster"),
+    "mpijob_exit": int(env["MPIJOB_RC"]),
+    "mpijob": metrics("mpijob-runs"),
+    "reference_exit": int(env["REFERENCE_RC"]),
+    "reference": metrics("reference"),
+    "evict_exit": int(env["EVICT_RC"]),
+    "evict": metrics("evict-runs"),
     "runtime_build_tools": env["TOOLS"].split(),
     "runtime_has_git_dir": env["HAS_GIT_DIR"] == "true",
     "runtime_pip_env": env["PIP_IN_ENV"].split(),
@@ -390,6 +452,9 @@ FAILED=()
 [ "$DOCTOR_RC" = 0 ] || FAILED+=("hvdtrain doctor exited $DOCTOR_RC")
 [ "$MAIN_RC" = 0 ] || FAILED+=("the main job exited $MAIN_RC")
 [ "$CLUSTER_RC" = 0 ] || FAILED+=("the cluster's node1 exited $CLUSTER_RC")
+[ "$MPIJOB_RC" = 0 ] || FAILED+=("the MPIJob's launcher exited $MPIJOB_RC (OUTDIR/mpijob/*.log)")
+[ "$REFERENCE_RC" = 0 ] || FAILED+=("the MPIJob's horovodrun reference exited $REFERENCE_RC")
+[ "$EVICT_RC" = 0 ] || FAILED+=("the eviction drill's last launcher exited $EVICT_RC (OUTDIR/evict/*.log)")
 [ -z "$TOOLS" ] || FAILED+=("the runtime image has build tools: $TOOLS")
 [ "$HAS_GIT_DIR" = false ] || FAILED+=("the runtime image has /opt/hvdtrain/.git")
 [ -z "$PIP_IN_ENV" ] || FAILED+=("the runtime image's environment has $PIP_IN_ENV")
@@ -407,12 +472,21 @@ if not c:
     print("no metrics.json from the cluster in OUTDIR/cluster")
 elif c["size"] != 4 or c["hosts"] != 2:
     print("cluster: size %s on %s hosts (want 4 on 2)" % (c["size"], c["hosts"]))
+j, r = s["mpijob"], s["reference"]
+if not j:
+    print("no metrics.json from the MPIJob in OUTDIR/mpijob-runs")
+elif j["size"] != 2 or j["hosts"] != 2:
+    print("MPIJob: size %s on %s hosts (want 2 on 2)" % (j["size"], j["hosts"]))
+elif r and j["final_test_accuracy"] != r["final_test_accuracy"]:
+    print("MPIJob: final test accuracy %s, horovodrun's %s (want equal)"
+          % (j["final_test_accuracy"], r["final_test_accuracy"]))
 PY
 )
 while IFS= read -r line; do [ -z "$line" ] || FAILED+=("$line"); done <<<"$CHECK"
 say "main job: $(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["main"])' \
   "$OUT/summary.json"); cluster: $(python3 -c \
-  'import json,sys; print(json.load(open(sys.argv[1]))["cluster"])' "$OUT/summary.json")"
+  'import json,sys; print(json.load(open(sys.argv[1]))["cluster"])' "$OUT/summary.json"); MPIJob:\
+ $(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["mpijob"])' "$OUT/summary.json")"
 say "image $((IMAGE_BYTES / 1000000)) MB, build $BUILD_SECONDS s, whole test $TOTAL_SECONDS s"
 if [ ${#FAILED[@]} -gt 0 ]; then
   printf '%s: FAILED: %s\n' "$PROG" "${FAILED[@]}" >&2

@@ -16,9 +16,10 @@ what the operator does; kubeflow/trainer: ``trainer.kubeflow.org_trainjobs.yaml`
 - ``spec.launcherCreationPolicy: WaitForWorkersReady`` creates the launcher once every worker is
   Ready; ``spec.runPolicy.backoffLimit`` is the launcher Job's (a failed launcher pod, e.g. one
   whose ranks stopped with exit 75 after SIGTERM, is started again, up to that many times);
-- a node drain or preemption sends SIGTERM to the pods and waits
-  ``terminationGracePeriodSeconds`` before SIGKILL (what then reaches the ranks: the guide's
-  "Eviction and requeue", not yet tested).
+- a node drain or preemption sends SIGTERM to the pods' main processes and waits
+  ``terminationGracePeriodSeconds`` before SIGKILL: the workers run ``sshd -De`` under
+  ``hvdtrain worker`` (:data:`WORKER_COMMAND`, :mod:`hvdtrain.launch.pod`), which hands SIGTERM
+  to the ranks in the pod and waits for their stop checkpoint before sshd ends.
 """
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ HOSTFILE_PATH = "/etc/mpi/hostfile"
 SSH_AUTH_MOUNT_PATH = "/root/.ssh"
 IMAGE_ENV = ("PATH", "LD_LIBRARY_PATH")  # the image's own; mpirun forwards them (-x)
 OUTPUT_VOLUME = "hvdtrain-output"  # --pvc's volume in the pod templates
+# The workers' main process: the operator's sshd, under hvdtrain worker, which hands a pod's
+# SIGTERM to the ranks in it and waits for their stop checkpoint (hvdtrain.launch.pod).
+WORKER_COMMAND = ("hvdtrain", "worker", "--", "/usr/sbin/sshd", "-De")
 
 
 class ManifestError(ValueError):
@@ -187,7 +191,7 @@ def _volumes(opts: KubeOptions) -> tuple[list, list]:
 def mpijob(opts: KubeOptions, workers: int, argv: list[str], env: list[dict]) -> dict:
     """The ``MPIJob`` (fields: mpi-operator ``deploy/v2beta1/mpi-operator.yaml``)."""
     volumes, mounts = _volumes(opts)
-    worker = {"name": "worker", "image": opts.image, "command": ["/usr/sbin/sshd", "-De"],
+    worker = {"name": "worker", "image": opts.image, "command": list(WORKER_COMMAND),
               "resources": _resources(opts)}
     if mounts:
         worker["volumeMounts"] = mounts

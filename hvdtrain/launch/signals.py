@@ -92,20 +92,43 @@ def _stat(pid: int, proc: Path) -> tuple[str, int] | None:
     return comm, int(text[text.rindex(")") + 2:].split()[1])
 
 
-def rank_pids(launch_id: str, proc: str | os.PathLike = "/proc",
-              inherited: Mapping[str, str] | None = None) -> list[int]:
+def descendants(pid: int, proc: str | os.PathLike = "/proc") -> set[int]:
+    """Process ids below ``pid``: its children, their children, and so on (``/proc/PID/stat``)."""
+    root = Path(proc)
+    children: dict[int, list[int]] = {}
+    for entry in root.iterdir():
+        if entry.name.isdigit():
+            stat = _stat(int(entry.name), root)
+            if stat is not None:
+                children.setdefault(stat[1], []).append(int(entry.name))
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def rank_pids(launch_id: str | None, proc: str | os.PathLike = "/proc",
+              inherited: Mapping[str, str] | None = None,
+              ancestor: int | None = None) -> list[int]:
     """This host's rank processes of the launch ``launch_id``.
 
-    A rank is a process whose environment holds ``HVDTRAIN_LAUNCH_ID=launch_id`` and one of
+    A rank is a process whose environment holds ``HVDTRAIN_LAUNCH_ID=launch_id`` (any or none
+    when ``launch_id`` is None: a Kubernetes worker pod, where every rank is the one job's,
+    :mod:`hvdtrain.launch.pod`) and one of
     :data:`RANK_VARS` with a value other than ``inherited``'s (the launch's own environment: a
     variable the launch already had was inherited, not given by the rank's launcher), that is
     not a shell or launcher daemon (:data:`NOT_RANKS`), and whose parent is not itself such a
     rank (a rank's own children, e.g. data-loader workers, are left to it).
 
     Args:
-        launch_id: the launch's :data:`LAUNCH_ID_VAR`.
+        launch_id: the launch's :data:`LAUNCH_ID_VAR`; None: ranks of any launch.
         proc: the proc file system (a folder of the same shape in tests).
         inherited: the rank variables of the launch's own environment (:func:`inherited_rank_vars`).
+        ancestor: only processes below this one (:func:`descendants`); None: any.
 
     Returns:
         Process ids, ascending (empty when none runs here).
@@ -118,13 +141,16 @@ def rank_pids(launch_id: str, proc: str | os.PathLike = "/proc",
             continue
         pid = int(entry.name)
         env = _environ(pid, root)
-        if not env or env.get(LAUNCH_ID_VAR) != launch_id or not any(
+        if not env or launch_id is not None and env.get(LAUNCH_ID_VAR) != launch_id or not any(
                 v in env and env[v] != inherited.get(v) for v in RANK_VARS):
             continue
         stat = _stat(pid, root)
         if stat is None or stat[0] in NOT_RANKS:
             continue
         found[pid] = stat[1]
+    if ancestor is not None and found:
+        below = descendants(ancestor, root)
+        found = {pid: parent for pid, parent in found.items() if pid in below}
     return sorted(pid for pid, parent in found.items() if parent not in found)
 
 
@@ -153,14 +179,14 @@ def _alive(pid: int, proc: Path) -> bool:
         return False
 
 
-def signal_local_ranks(sig: int, launch_id: str, proc: str | os.PathLike = "/proc",
+def signal_local_ranks(sig: int, launch_id: str | None, proc: str | os.PathLike = "/proc",
                        inherited: Mapping[str, str] | None = None,
-                       hold_s: float = 0.0) -> int:
+                       hold_s: float = 0.0, ancestor: int | None = None) -> int:
     """Send ``sig`` to this host's ranks of ``launch_id``.
 
     Args:
         sig: the signal number.
-        launch_id, proc, inherited: as for :func:`rank_pids`.
+        launch_id, proc, inherited, ancestor: as for :func:`rank_pids`.
         hold_s: seconds to hold the signal for ranks that do not catch it yet (and, when no rank
             runs here yet, to wait for one to appear); 0 sends at once. A rank still not
             catching it after ``hold_s`` gets it anyway.
@@ -173,7 +199,8 @@ def signal_local_ranks(sig: int, launch_id: str, proc: str | os.PathLike = "/pro
     sent: set[int] = set()
     first_seen = None
     while True:
-        found = [pid for pid in rank_pids(launch_id, root, inherited) if pid not in sent]
+        found = [pid for pid in rank_pids(launch_id, root, inherited, ancestor)
+                 if pid not in sent]
         late = time.monotonic() >= deadline
         for pid in found:
             if late or sig == signal.SIGINT or catches(pid, sig, root) is not False:

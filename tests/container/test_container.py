@@ -3,9 +3,11 @@
 scripts/container_test.sh installs podman and podman-compose from Debian's packages when missing,
 makes the base image with mmdebstrap when podman has none, builds docker/Dockerfile.cpu (the
 host's pip settings and Horovod wheel cache lent read-only), runs `hvdtrain doctor` and the 2-rank
-main job in the image, then the two-container ssh cluster of docker/compose.yaml, and writes
-OUTDIR/summary.json. The test asserts on that file and on the runs' metrics.json, which the
-containers wrote to host volumes (OUTDIR/main, OUTDIR/cluster).
+main job in the image, the two-container ssh cluster of docker/compose.yaml, and the MPIJob that
+`hvdtrain launch --emit mpijob` writes, run as Kubeflow's MPI Operator would run it
+(scripts/mpijob_contract.py) beside a horovodrun reference, and writes OUTDIR/summary.json. The
+test asserts on that file and on the runs' metrics.json, which the containers wrote to host
+volumes (OUTDIR/main, OUTDIR/cluster, OUTDIR/mpijob-runs, OUTDIR/reference).
 
 Skipped, with the script's reason, only where podman, podman-compose or mmdebstrap cannot be
 installed (the script exits 3: not root, no apt-get, apt-get failed); any other failure fails.
@@ -66,7 +68,7 @@ def _metrics(run_dir: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def test_cpu_image_builds_and_trains_alone_and_as_a_two_container_cluster(tmp_path):
+def test_cpu_image_builds_and_trains_alone_as_a_cluster_and_as_an_mpijob(tmp_path):
     out = tmp_path / "container_test"
     rc, lines = _run_script(out)
     if rc == CANNOT_INSTALL:
@@ -93,6 +95,49 @@ def test_cpu_image_builds_and_trains_alone_and_as_a_two_container_cluster(tmp_pa
     assert summary["cluster_node1_exit"] == 0
     assert cluster["size"] == 4 and cluster["hosts"] == 2, (cluster["size"], cluster["hosts"])
     assert cluster["final_test_accuracy"] >= 0.9, cluster["final_test_accuracy"]
+
+    # Kubernetes, as Kubeflow's MPI Operator would run the MPIJob that `hvdtrain launch --emit
+    # mpijob` wrote (scripts/mpijob_contract.py): two worker pods, then the launcher's mpirun
+    # over ssh with the operator's key; the same numbers as horovodrun -np 2 in one container.
+    assert summary["mpijob_exit"] == 0 and summary["reference_exit"] == 0
+    contract = json.loads((out / "mpijob" / "contract.json").read_text())
+    assert contract["launcher_exit"] == 0
+    assert contract["launcher_env"]["OMPI_MCA_orte_default_hostfile"] == "/etc/mpi/hostfile"
+    assert {"id_rsa", "id_rsa.pub", "authorized_keys"} <= set(
+        contract["launcher_mounts"]["/root/.ssh"])
+    assert contract["launcher_command"][:1] == ["mpirun"]
+    assert contract["launcher_command"][-2:] == ["--resume", "auto"]
+    job, ref = _metrics(out / "mpijob-runs"), _metrics(out / "reference")
+    assert (job["size"], job["hosts"]) == (2, 2) and (ref["size"], ref["hosts"]) == (2, 1)
+    assert len(job["epochs"]) == len(ref["epochs"]) == 4
+    for got, want in zip(job["epochs"], ref["epochs"]):
+        for key in ("train_loss", "test_accuracy"):
+            assert got[key] == pytest.approx(want[key], rel=1e-6), (key, got, want)
+    assert job["final_test_accuracy"] == ref["final_test_accuracy"] >= 0.9
+
+    # The eviction drill: worker 1 stopped as a node drain stops a pod, after epoch 1's checkpoint.
+    assert summary["evict_exit"] == 0
+    drill = json.loads((out / "evict" / "contract.json").read_text())
+    first, again = drill["attempts"]  # the launcher, and the one started after it failed
+    evicted = first["evicted"]
+    # Its hvdtrain worker ended after its rank had, well within the grace period (no SIGKILL).
+    assert evicted["exit"] == 0 and evicted["stop_seconds"] < drill["grace_period_s"], evicted
+    assert first["launcher_exit"] == 75 and again["launcher_exit"] == 0  # EX_TEMPFAIL, then done
+    stopped = json.loads((out / "evict" / "hvdtrain-runs-metrics-0.json").read_text())
+    assert stopped["preempted"]["signal"] == "SIGTERM" and stopped["preempted"]["epoch"] == 2
+    resumed = _metrics(out / "evict-runs")
+    assert resumed["resumed_from"]["epoch"] == 1 and resumed["preempted"] is None
+    assert resumed["resumed_from"]["batch"] == stopped["preempted"]["batch"] > 0
+    # Resumed to what the uninterrupted MPIJob trained: the same epochs, the same weights.
+    assert len(resumed["epochs"]) == 4
+    for got, want in zip(resumed["epochs"], job["epochs"]):
+        for key in ("train_loss", "test_accuracy"):
+            assert got[key] == pytest.approx(want[key], rel=1e-6), (key, got, want)
+    import torch
+    a = torch.load(out / "evict-runs" / "checkpoint.pt", weights_only=True)["model"]
+    b = torch.load(out / "mpijob-runs" / "checkpoint.pt", weights_only=True)["model"]
+    assert a.keys() == b.keys()
+    assert max(float((a[k].double() - b[k].double()).abs().max()) for k in a) <= 1e-6
 
     # The runtime image: no compilers or build tools, no .git, no pip build argument kept.
     assert summary["runtime_build_tools"] == []

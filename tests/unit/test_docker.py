@@ -80,6 +80,16 @@ def test_compose_is_a_two_node_cluster_over_ssh():
         "node1", "slots=2", "node2", "slots=2"]
 
 
+def test_mpijob_example_is_what_hvdtrain_launch_emits(capsys):
+    """docker/mpijob.yaml is `hvdtrain launch --emit mpijob` with the options in its comments:
+    the example cannot drift from what the command writes (and tests/container runs)."""
+    text = (DOCKER / "mpijob.yaml").read_text()
+    made_with = text.split("# Made with:\n#   hvdtrain ", 1)[1].split("\n", 1)[0]
+    from hvdtrain.cli import main
+    assert main(made_with.split()) == 0
+    assert yaml.safe_load(capsys.readouterr().out) == yaml.safe_load(text)
+
+
 def test_mpijob_runs_hvdtrain_with_horovods_mpirun_flags():
     job = yaml.safe_load((DOCKER / "mpijob.yaml").read_text())
     assert job["kind"] == "MPIJob" and job["spec"]["slotsPerWorker"] == 2

@@ -111,7 +111,8 @@ def test_mpijob_says_what_the_plan_says(capsys):
     pod = workers["template"]["spec"]
     assert pod["terminationGracePeriodSeconds"] == 300
     (worker,) = pod["containers"]
-    assert worker["command"] == ["/usr/sbin/sshd", "-De"]
+    # sshd, under hvdtrain worker: a pod's SIGTERM reaches the ranks (tests/unit/test_pod_worker.py)
+    assert worker["command"] == ["hvdtrain", "worker", "--", "/usr/sbin/sshd", "-De"]
     assert worker["resources"]["limits"] == {"cpu": "8", "memory": "8Gi"}
     assert worker["volumeMounts"] == [{"name": "hvdtrain-output", "mountPath": "/data/runs/mnist"}]
     assert pod["volumes"] == [{"name": "hvdtrain-output",

@@ -1,0 +1,104 @@
+"""`hvdtrain worker -- COMMAND` (hvdtrain.launch.pod), the main process of the MPIJob's worker pods:
+a SIGTERM to it reaches the ranks below it first, and COMMAND (sshd) ends only after they have
+checkpointed and exited. The same in a real pod: scripts/mpijob_contract.py's eviction drill
+(tests/container)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+BIN = Path(sys.executable).parent  # the venv's console scripts (hvdtrain)
+
+
+# A rank: catches SIGTERM, takes a moment for its step and stop checkpoint, exits 75.
+RANK = textwrap.dedent("""
+    import os, signal, sys, time
+    from pathlib import Path
+    out = Path(sys.argv[1])
+    def stop(signum, frame):
+        time.sleep(0.5)  # the last step and the stop checkpoint
+        (out / "checkpointed").write_text(str(os.getpid()))
+        sys.exit(75)
+    signal.signal(signal.SIGTERM, stop)
+    (out / "ready").write_text(str(os.getpid()))
+    while True:
+        signal.pause()
+""")
+# sshd: starts a rank below it (as mpirun's orted does over ssh); on SIGTERM it records whether
+# the rank had checkpointed by then, and exits as sshd does.
+SSHD = textwrap.dedent("""
+    import os, signal, subprocess, sys
+    from pathlib import Path
+    out = Path(sys.argv[1])
+    rank = subprocess.Popen([sys.executable, "-c", sys.argv[2], str(out)],
+                            env={**os.environ, "OMPI_COMM_WORLD_RANK": "0"})
+    def stop(signum, frame):
+        done = (out / "checkpointed").exists()
+        (out / "sshd-ended").write_text("after the rank" if done else "before the rank")
+        sys.exit(255)
+    signal.signal(signal.SIGTERM, stop)
+    while True:
+        signal.pause()
+""")
+
+
+def wait_for(path: Path, proc: subprocess.Popen, deadline_s: float = 60.0) -> str:
+    """The content of ``path`` once it is written (while ``proc`` still runs)."""
+    deadline = time.monotonic() + deadline_s
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"no {path} in {deadline_s} s"
+        time.sleep(0.05)
+    return path.read_text()
+
+
+def test_sigterm_reaches_the_pods_ranks_before_sshd_ends(tmp_path):
+    pod, other = tmp_path / "pod", tmp_path / "other"
+    pod.mkdir()
+    other.mkdir()
+    # A rank of another job on this machine, not below the worker: it must not be signalled.
+    bystander = subprocess.Popen([sys.executable, "-c", RANK, str(other)],
+                                 env={**os.environ, "OMPI_COMM_WORLD_RANK": "0"})
+    worker = subprocess.Popen([str(BIN / "hvdtrain"), "worker", "--", sys.executable, "-c", SSHD,
+                               str(pod), RANK], stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(other / "ready", bystander)
+        rank_pid = int(wait_for(pod / "ready", worker))
+        worker.send_signal(signal.SIGTERM)
+        _, err = worker.communicate(timeout=60)
+        assert worker.returncode == 0, err
+        assert int((pod / "checkpointed").read_text()) == rank_pid
+        assert (pod / "sshd-ended").read_text() == "after the rank"
+        assert "SIGTERM sent to 1 rank(s) in this pod" in err and "ranks exited" in err
+        assert bystander.poll() is None and not (other / "checkpointed").exists()
+    finally:
+        for proc in (worker, bystander):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def test_sigterm_without_ranks_ends_the_command(tmp_path):
+    worker = subprocess.Popen([str(BIN / "hvdtrain"), "worker", "--", sys.executable, "-c",
+                               "import pathlib, signal, sys; pathlib.Path(sys.argv[1]).touch(); "
+                               "signal.pause()", str(tmp_path / "up")],
+                              stderr=subprocess.PIPE, text=True)
+    wait_for(tmp_path / "up", worker)
+    worker.send_signal(signal.SIGTERM)
+    _, err = worker.communicate(timeout=60)
+    assert worker.returncode == 0 and "SIGTERM: no rank runs in this pod" in err
+
+
+def test_the_commands_own_exit_status_and_bad_commands():
+    run = [str(BIN / "hvdtrain"), "worker"]
+    assert subprocess.run([*run, "--", "sh", "-c", "exit 3"]).returncode == 3
+    missing = subprocess.run([*run, "--", "/nonexistent/sshd", "-De"], capture_output=True,
+                             text=True)
+    assert missing.returncode == 127 and "cannot start '/nonexistent/sshd'" in missing.stderr
+    bare = subprocess.run(run, capture_output=True, text=True)
+    assert bare.returncode == 2 and "hvdtrain worker -- /usr/sbin/sshd -De" in bare.stderr
