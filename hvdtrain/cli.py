@@ -171,7 +171,8 @@ WORKER_DESCRIPTION = (
     "mpijob writes): runs COMMAND (sshd -De), and on SIGTERM (a node drain, a preemption) sends "
     "it to the ranks running in the pod and waits for them to write the stop checkpoint and "
     "exit 75, then ends COMMAND; without it sshd exits at once and the ranks are killed with "
-    "the pod. Exit status: 0 after a SIGTERM, else COMMAND's.")
+    "the pod. Exit status: 0 after a SIGTERM or SIGINT; else COMMAND's own (128 + N for a signal "
+    "N); 127 when COMMAND cannot be started; 2 without a COMMAND.")
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

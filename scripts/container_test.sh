@@ -57,6 +57,7 @@ BASE_IMAGE=docker.io/library/python:3.11-slim-bookworm
 CACHE=${HVDTRAIN_CACHE:-$HOME/.cache/hvdtrain}
 PROJECT=hvdtrain-ct  # podman-compose project: containers hvdtrain-ct_node1_1, hvdtrain-ct_node2_1
 MAIN_CONTAINER=hvdtrain-ct-main
+MPIJOB=hvdtrain-ct-mpijob  # the MPIJob's name: containers $MPIJOB-worker-<i>, $MPIJOB-launcher
 PODMAN_PACKAGES=(podman runc fuse-overlayfs containernetworking-plugins
                  golang-github-containernetworking-plugin-dnsname podman-compose)
 DNSNAME_PLUGIN=/usr/lib/cni/dnsname
@@ -156,6 +157,10 @@ remove_ours() {  # the containers, volumes and network this script makes (also a
     >/dev/null 2>&1
   podman network ls --format '{{.Name}}' | grep "^${PROJECT}_" | xargs -r podman network rm -f \
     >/dev/null 2>&1
+  # scripts/mpijob_contract.py removes its own (steps 7, 8), unless it was killed outright.
+  podman ps -a --format '{{.Names}}' | grep "^${MPIJOB}-\(worker-[0-9]*\|launcher\)$" |
+    xargs -r podman rm -f >/dev/null 2>&1
+  podman network rm -f "${MPIJOB}-mpijob-net" >/dev/null 2>&1
   return 0
 }
 cleanup() {
@@ -364,7 +369,6 @@ step "compose cluster: node2 up and healthy, then node1 runs 4 ranks on 2 hosts"
 # `sshd -De` with the operator's SSH Secret at /root/.ssh, then the launcher with the hostfile at
 # /etc/mpi/hostfile and the operator's Open MPI variables; the PVC is OUTDIR/mpijob-runs. The
 # reference: the same training command under horovodrun -np 2 in one container (OUTDIR/reference).
-MPIJOB=hvdtrain-ct-mpijob
 # From step 45 (epoch 2) each step takes >= 0.05 s, numbers unchanged: the eviction below, after
 # epoch 1's checkpoint, lands while the job runs on any machine.
 TRAIN=(hvdtrain train --framework torch --dataset digits --epochs 4 --no-progress

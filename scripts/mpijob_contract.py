@@ -91,7 +91,15 @@ def atomic_volume(root: Path, files: dict[str, tuple[str, int]], dir_mode: int =
     the volume's root world-writable with the sticky bit (kubernetes/kubernetes#61049).
 
     Args:
+        root: the folder to make (it must not exist).
         files: name -> (content, mode).
+        dir_mode: the mode of ``root``.
+
+    Returns:
+        ``root``.
+
+    Raises:
+        FileExistsError: ``root`` exists.
     """
     root.mkdir(parents=True)
     stamp = root / time.strftime("..%Y_%m_%d_%H_%M_%S.0000")
@@ -172,7 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--namespace", default="default")
     ap.add_argument("--evict-worker", type=int, help="stop this worker as a node drain would")
     ap.add_argument("--evict-after-file", type=Path, help="... once this file exists")
-    ap.add_argument("--timeout", type=float, default=900, help="seconds the launcher may run")
+    ap.add_argument("--timeout", type=float, default=900,
+                    help="seconds from the first launcher's start to the last one's end (the "
+                         "workers' start, up to 120 s each time, and an eviction's stop, up to "
+                         "the grace period, come on top)")
     args = ap.parse_args(argv)
     if (args.evict_worker is None) != (args.evict_after_file is None):
         ap.error("--evict-worker and --evict-after-file go together")
@@ -335,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             record["worker_exits"][name] = None if state["Running"] else state["ExitCode"]
         return code
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM: the clean-up ends
         (args.outdir / "contract.json").write_text(json.dumps(record, indent=2, sort_keys=True))
         remove()
         shutil.rmtree(work, ignore_errors=True)

@@ -60,6 +60,15 @@ def _reap(child: int) -> int | None:
 def run_worker(command: list[str], proc: str = "/proc") -> int:
     """Run ``command`` as a worker pod's main process (see the module's docstring).
 
+    After a SIGTERM/SIGINT it waits for the ranks it signalled without a limit of its own (the
+    kubelet's SIGKILL at the end of the grace period is the limit: the pod then exits 137).
+    Processes that look like ranks and appear later (a rank started after the signal, a rank's
+    helper left to this process when the rank exited) get SIGTERM too; once the first ranks have
+    exited, they are waited for :data:`hvdtrain.launch.signals.HOLD_S` seconds at most, then
+    left to the container's end. A SIGTERM that comes before this function has installed its
+    handlers (Python's start, about half a second) is lost to a container's PID 1, which has no
+    default action: the pod then waits for the kubelet's SIGKILL.
+
     Args:
         command: the program and its arguments, e.g. ``["/usr/sbin/sshd", "-De"]``.
         proc: the proc file system (a folder of the same shape in tests).
@@ -70,44 +79,66 @@ def run_worker(command: list[str], proc: str = "/proc") -> int:
         started.
     """
     stop: list[int] = []
-    if os.getpid() != 1:  # orphans below come to this process, as to a container's PID 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
     for sig in STOPPING:
         signal.signal(sig, lambda signum, frame: stop.append(signum))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if os.getpid() != 1 and libc.prctl(PR_SET_CHILD_SUBREAPER, ctypes.c_ulong(1)) != 0:
+        _say(f"cannot become the subreaper of what runs below (prctl: "
+             f"{os.strerror(ctypes.get_errno())}): a rank whose parent ends is no longer found")
     try:
         child = subprocess.Popen(command)
     except OSError as exc:
         _say(f"cannot start {command[0]!r}: {exc}")
         return 127
+    # This process alone reaps the child (waitpid(-1), also for orphans), so Popen's own
+    # poll/wait/send_signal are never used: the pid stays the child's until reaped here.
+    pid, ended = child.pid, []
+
+    def reap() -> bool:
+        """Reap what has exited; whether the child has ended."""
+        if not ended and (status := _reap(pid)) is not None:
+            ended.append(status)
+        return bool(ended)
+
     inherited = rank_signals.inherited_rank_vars(os.environ)
     while not stop:
-        status = _reap(child.pid)
-        if status is not None:
-            return status
+        if reap():
+            return ended[0]
         time.sleep(POLL_S)
 
     name = signal.Signals(stop[0]).name
     me = os.getpid()
-    ranks = rank_signals.rank_pids(None, proc, inherited, ancestor=me)
-    if ranks:
+    first = rank_signals.rank_pids(None, proc, inherited, ancestor=me)
+    if first:
         sent = rank_signals.signal_local_ranks(signal.SIGTERM, None, proc, inherited,
                                                hold_s=rank_signals.HOLD_S, ancestor=me)
-        _say(f"{name}: SIGTERM sent to {sent} rank(s) in this pod (pids {ranks}); waiting for "
+        _say(f"{name}: SIGTERM sent to {sent} rank(s) in this pod (pids {first}); waiting for "
              "them to checkpoint and exit")
-        t0 = time.monotonic()
-        while rank_signals.rank_pids(None, proc, inherited, ancestor=me):
-            if _reap(child.pid) is not None:
-                break  # command ended meanwhile (the ranks went with their ssh sessions)
+        t0, signalled, first_done = time.monotonic(), set(first), None
+        while True:
+            reap()
+            now = rank_signals.rank_pids(None, proc, inherited, ancestor=me)
+            for late in set(now) - signalled:  # started after the signal, or left to us
+                signalled.add(late)
+                try:
+                    os.kill(late, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            if not now:
+                break
+            if not set(first) & set(now):
+                first_done = first_done or time.monotonic()
+                if time.monotonic() - first_done > rank_signals.HOLD_S:
+                    _say(f"still running {rank_signals.HOLD_S:.0f} s after the ranks: pids "
+                         f"{now}, left to the pod's end")
+                    break
             time.sleep(POLL_S)
         _say(f"the ranks exited after {time.monotonic() - t0:.1f} s")
     else:
         _say(f"{name}: no rank runs in this pod")
-    if child.poll() is None and _reap(child.pid) is None:
-        try:
-            child.send_signal(signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        while _reap(child.pid) is None:
+    if not reap():
+        os.kill(pid, signal.SIGTERM)  # not reaped yet, so still the child's pid
+        while not reap():
             time.sleep(POLL_S)
     return 0
 

@@ -93,7 +93,11 @@ def _stat(pid: int, proc: Path) -> tuple[str, int] | None:
 
 
 def descendants(pid: int, proc: str | os.PathLike = "/proc") -> set[int]:
-    """Process ids below ``pid``: its children, their children, and so on (``/proc/PID/stat``)."""
+    """Process ids below ``pid``: its children, their children, and so on (``/proc/PID/stat``).
+
+    Raises:
+        OSError: ``proc`` cannot be listed.
+    """
     root = Path(proc)
     children: dict[int, list[int]] = {}
     for entry in root.iterdir():

@@ -28,7 +28,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "container_test.sh"
 CANNOT_INSTALL = 3  # the script's exit status when podman & co. are missing and cannot be installed
-TIMEOUT = 1800  # seconds: a first build (base image, stack, maybe Horovod) plus the three runs
+# seconds: a first build (base image, stack, maybe Horovod; 13 minutes) plus the seven runs (main
+# job, cluster, reference, MPIJob, drill: 556 s in all with the build cached, on a busy machine)
+TIMEOUT = 2700
 
 
 def _run_script(out: Path) -> tuple[int, list[str]]:
@@ -124,9 +126,12 @@ def test_cpu_image_builds_and_trains_alone_as_a_cluster_and_as_an_mpijob(tmp_pat
     assert evicted["exit"] == 0 and evicted["stop_seconds"] < drill["grace_period_s"], evicted
     assert first["launcher_exit"] == 75 and again["launcher_exit"] == 0  # EX_TEMPFAIL, then done
     stopped = json.loads((out / "evict" / "hvdtrain-runs-metrics-0.json").read_text())
-    assert stopped["preempted"]["signal"] == "SIGTERM" and stopped["preempted"]["epoch"] == 2
+    # Mid-epoch, after epoch 1's checkpoint (epoch 2 at least: from step 45 each step takes
+    # >= 0.05 s, and the eviction comes as soon as that checkpoint exists).
+    assert stopped["preempted"]["signal"] == "SIGTERM" and stopped["preempted"]["epoch"] >= 2
     resumed = _metrics(out / "evict-runs")
-    assert resumed["resumed_from"]["epoch"] == 1 and resumed["preempted"] is None
+    assert resumed["preempted"] is None
+    assert resumed["resumed_from"]["epoch"] == stopped["preempted"]["epoch"] - 1
     assert resumed["resumed_from"]["batch"] == stopped["preempted"]["batch"] > 0
     # Resumed to what the uninterrupted MPIJob trained: the same epochs, the same weights.
     assert len(resumed["epochs"]) == 4

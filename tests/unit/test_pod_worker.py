@@ -19,27 +19,31 @@ BIN = Path(sys.executable).parent  # the venv's console scripts (hvdtrain)
 RANK = textwrap.dedent("""
     import os, signal, sys, time
     from pathlib import Path
-    out = Path(sys.argv[1])
+    out, name = Path(sys.argv[1]), sys.argv[2]
     def stop(signum, frame):
         time.sleep(0.5)  # the last step and the stop checkpoint
-        (out / "checkpointed").write_text(str(os.getpid()))
+        (out / f"{name}.checkpointed").write_text(str(os.getpid()))
         sys.exit(75)
     signal.signal(signal.SIGTERM, stop)
-    (out / "ready").write_text(str(os.getpid()))
+    (out / f"{name}.ready").write_text(str(os.getpid()))
     while True:
         signal.pause()
 """)
-# sshd: starts a rank below it (as mpirun's orted does over ssh); on SIGTERM it records whether
-# the rank had checkpointed by then, and exits as sshd does.
+# sshd: starts rank "a" below it (as mpirun's orted does over ssh) and rank "b" through a process
+# that exits at once (b is left to the worker, its subreaper); on SIGTERM it records whether both
+# ranks had checkpointed by then, and exits as sshd does.
 SSHD = textwrap.dedent("""
     import os, signal, subprocess, sys
     from pathlib import Path
-    out = Path(sys.argv[1])
-    rank = subprocess.Popen([sys.executable, "-c", sys.argv[2], str(out)],
-                            env={**os.environ, "OMPI_COMM_WORLD_RANK": "0"})
+    out, rank = Path(sys.argv[1]), sys.argv[2]
+    env = {**os.environ, "OMPI_COMM_WORLD_RANK": "0"}
+    subprocess.Popen([sys.executable, "-c", rank, str(out), "a"], env=env)
+    starter = ("import subprocess, sys; subprocess.Popen([sys.executable, '-c', sys.argv[1], "
+               "sys.argv[2], 'b'])")
+    subprocess.run([sys.executable, "-c", starter, rank, str(out)], env=env, check=True)
     def stop(signum, frame):
-        done = (out / "checkpointed").exists()
-        (out / "sshd-ended").write_text("after the rank" if done else "before the rank")
+        done = all((out / f"{n}.checkpointed").exists() for n in "ab")
+        (out / "sshd-ended").write_text("after the ranks" if done else "before the ranks")
         sys.exit(255)
     signal.signal(signal.SIGTERM, stop)
     while True:
@@ -62,20 +66,23 @@ def test_sigterm_reaches_the_pods_ranks_before_sshd_ends(tmp_path):
     pod.mkdir()
     other.mkdir()
     # A rank of another job on this machine, not below the worker: it must not be signalled.
-    bystander = subprocess.Popen([sys.executable, "-c", RANK, str(other)],
+    bystander = subprocess.Popen([sys.executable, "-c", RANK, str(other), "x"],
                                  env={**os.environ, "OMPI_COMM_WORLD_RANK": "0"})
     worker = subprocess.Popen([str(BIN / "hvdtrain"), "worker", "--", sys.executable, "-c", SSHD,
                                str(pod), RANK], stderr=subprocess.PIPE, text=True)
     try:
-        wait_for(other / "ready", bystander)
-        rank_pid = int(wait_for(pod / "ready", worker))
+        wait_for(other / "x.ready", bystander)
+        pids = {n: int(wait_for(pod / f"{n}.ready", worker)) for n in "ab"}
+        # b's parent has exited: it was left to the worker (its subreaper), not to init.
+        assert int(Path(f"/proc/{pids['b']}/stat").read_text().rsplit(")", 1)[1].split()[1]) \
+            == worker.pid
         worker.send_signal(signal.SIGTERM)
         _, err = worker.communicate(timeout=60)
         assert worker.returncode == 0, err
-        assert int((pod / "checkpointed").read_text()) == rank_pid
-        assert (pod / "sshd-ended").read_text() == "after the rank"
-        assert "SIGTERM sent to 1 rank(s) in this pod" in err and "ranks exited" in err
-        assert bystander.poll() is None and not (other / "checkpointed").exists()
+        assert {n: int((pod / f"{n}.checkpointed").read_text()) for n in "ab"} == pids
+        assert (pod / "sshd-ended").read_text() == "after the ranks"
+        assert "SIGTERM sent to 2 rank(s) in this pod" in err and "ranks exited" in err
+        assert bystander.poll() is None and not (other / "x.checkpointed").exists()
     finally:
         for proc in (worker, bystander):
             if proc.poll() is None:
@@ -95,8 +102,10 @@ def test_sigterm_without_ranks_ends_the_command(tmp_path):
 
 
 def test_the_commands_own_exit_status_and_bad_commands():
+    """COMMAND's status passes through (128 + N for a signal N), as a container's would."""
     run = [str(BIN / "hvdtrain"), "worker"]
     assert subprocess.run([*run, "--", "sh", "-c", "exit 3"]).returncode == 3
+    assert subprocess.run([*run, "--", "sh", "-c", "kill -9 $$"]).returncode == 128 + 9
     missing = subprocess.run([*run, "--", "/nonexistent/sshd", "-De"], capture_output=True,
                              text=True)
     assert missing.returncode == 127 and "cannot start '/nonexistent/sshd'" in missing.stderr
