@@ -24,6 +24,7 @@ TITLES = {
     "gpu": "One GPU: hvdtrain vs a plain PyTorch loop",
     "gpu_breakdown": "One GPU: where a step's time goes",
     "vs_single": "Distributing vs one process",
+    "modes": "Every job's speed: one mode or two",
 }
 # Options that only say where output goes or which part of a run this process is.
 NOT_RERUN = {"readme", "json_out", "worker", "render", "trainer_src"}

@@ -170,3 +170,25 @@ def test_vs_single_tiny(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| torch/gpt |" in proc.stdout and "np2 / one, each round" in proc.stdout
     assert "np2 / apart" in proc.stdout
+
+
+def test_modes_splits_two_speeds_and_keeps_one(tmp_path):
+    sys.path.insert(0, str(BENCH))
+    try:
+        import modes
+    finally:
+        sys.path.remove(str(BENCH))
+    # Issue 49's Keras jobs: two clean modes, about 13-15k and 7.45k samples/s.
+    two = modes.distribution([12916, 7478, 7454, 13320, 7423])
+    assert two["two_modes"] and (two["below_gap"], two["above_gap"]) == (3, 2)
+    assert two["within_15pct_of_fastest"] == pytest.approx(2 / 5)
+    assert two["largest_gap"] == pytest.approx(12916 / 7478 - 1)
+    one = modes.distribution([13008, 13763, 13400])  # the PyTorch path: stable
+    assert not one["two_modes"] and one["within_15pct_of_fastest"] == 1.0
+    # A tiny real run: every job measured, the distribution and the ratio written.
+    data, out = bench(tmp_path, "modes.py", "--paths", "torch", "--jobs", "2", "--warmup", "1",
+                      "--batches", "2", "--iters", "1")
+    r = data["results"]["torch"]
+    assert len(r["np2"]["sorted"]) == len(r["single"]["sorted"]) == 2
+    assert r["np2_over_single"] == pytest.approx(r["np2"]["median"] / r["single"]["median"])
+    assert "two modes?" in out and "| torch |" in out
