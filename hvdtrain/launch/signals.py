@@ -50,6 +50,9 @@ import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
+from hvdtrain.launch import procfs
+from hvdtrain.launch.procfs import catches  # signals' own: tests hold a signal through it
+
 LAUNCH_ID_VAR = "HVDTRAIN_LAUNCH_ID"
 # A process of the job is a rank when its environment has one of these (what Horovod's, Open
 # MPI's, PMIx's and Slurm's launchers give each rank).
@@ -73,48 +76,6 @@ def new_launch_id() -> str:
     return uuid.uuid4().hex
 
 
-def _environ(pid: int, proc: Path) -> dict[str, str] | None:
-    try:
-        raw = (proc / str(pid) / "environ").read_bytes()
-    except OSError:  # gone, or not ours to read
-        return None
-    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
-    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
-
-
-def _stat(pid: int, proc: Path) -> tuple[str, int] | None:
-    """``(comm, parent pid)`` of ``pid``."""
-    try:
-        text = (proc / str(pid) / "stat").read_text()
-    except OSError:
-        return None
-    comm = text[text.index("(") + 1:text.rindex(")")]
-    return comm, int(text[text.rindex(")") + 2:].split()[1])
-
-
-def descendants(pid: int, proc: str | os.PathLike = "/proc") -> set[int]:
-    """Process ids below ``pid``: its children, their children, and so on (``/proc/PID/stat``).
-
-    Raises:
-        OSError: ``proc`` cannot be listed.
-    """
-    root = Path(proc)
-    children: dict[int, list[int]] = {}
-    for entry in root.iterdir():
-        if entry.name.isdigit():
-            stat = _stat(int(entry.name), root)
-            if stat is not None:
-                children.setdefault(stat[1], []).append(int(entry.name))
-    found: set[int] = set()
-    todo = [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
 def rank_pids(launch_id: str | None, proc: str | os.PathLike = "/proc",
               inherited: Mapping[str, str] | None = None,
               ancestor: int | None = None) -> list[int]:
@@ -132,7 +93,8 @@ def rank_pids(launch_id: str | None, proc: str | os.PathLike = "/proc",
         launch_id: the launch's :data:`LAUNCH_ID_VAR`; None: ranks of any launch.
         proc: the proc file system (a folder of the same shape in tests).
         inherited: the rank variables of the launch's own environment (:func:`inherited_rank_vars`).
-        ancestor: only processes below this one (:func:`descendants`); None: any.
+        ancestor: only processes below this one (:func:`hvdtrain.launch.procfs.descendants`);
+            None: any.
 
     Returns:
         Process ids, ascending (empty when none runs here).
@@ -144,16 +106,16 @@ def rank_pids(launch_id: str | None, proc: str | os.PathLike = "/proc",
         if not entry.name.isdigit():
             continue
         pid = int(entry.name)
-        env = _environ(pid, root)
+        env = procfs.environ(pid, root)
         if not env or launch_id is not None and env.get(LAUNCH_ID_VAR) != launch_id or not any(
                 v in env and env[v] != inherited.get(v) for v in RANK_VARS):
             continue
-        stat = _stat(pid, root)
+        stat = procfs.stat(pid, root)
         if stat is None or stat[0] in NOT_RANKS:
             continue
         found[pid] = stat[1]
     if ancestor is not None and found:
-        below = descendants(ancestor, root)
+        below = procfs.descendants(ancestor, root)
         found = {pid: parent for pid, parent in found.items() if pid in below}
     return sorted(pid for pid, parent in found.items() if parent not in found)
 
@@ -161,26 +123,6 @@ def rank_pids(launch_id: str | None, proc: str | os.PathLike = "/proc",
 def inherited_rank_vars(env: Mapping[str, str]) -> dict[str, str]:
     """The :data:`RANK_VARS` of ``env`` (a launch's own environment): they mark no rank."""
     return {name: env[name] for name in RANK_VARS if name in env}
-
-
-def catches(pid: int, sig: int, proc: str | os.PathLike = "/proc") -> bool | None:
-    """Whether process ``pid`` has a handler installed for ``sig`` (the ``SigCgt`` mask of
-    ``/proc/PID/status``, proc(5)); None when it is gone or unreadable."""
-    try:
-        text = (Path(proc) / str(pid) / "status").read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("SigCgt:"):
-            return bool(int(line.split()[1], 16) >> (int(sig) - 1) & 1)
-    return None
-
-
-def _alive(pid: int, proc: Path) -> bool:
-    try:  # a zombie has exited
-        return (proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def signal_local_ranks(sig: int, launch_id: str | None, proc: str | os.PathLike = "/proc",
@@ -214,7 +156,7 @@ def signal_local_ranks(sig: int, launch_id: str | None, proc: str | os.PathLike 
                 except (ProcessLookupError, PermissionError):
                     pass
         first_seen = time.monotonic() if found and first_seen is None else first_seen
-        pending = [pid for pid in found if pid not in sent and _alive(pid, root)]
+        pending = [pid for pid in found if pid not in sent and procfs.alive(pid, root)]
         settled = first_seen is not None and time.monotonic() - first_seen >= 0.5
         if late or (sent and not pending and settled):
             return len(sent)

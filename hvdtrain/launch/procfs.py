@@ -1,0 +1,72 @@
+"""Reading the process table (``/proc``, proc(5)): a process's environment, name and parent,
+the processes below one, whether one has exited or catches a signal. Linux only; every function
+takes ``proc``, a folder of the same shape, for tests."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def environ(pid: int, proc: Path) -> dict[str, str] | None:
+    """The environment of process ``pid`` (``/proc/PID/environ``); None when it is gone or
+    not ours to read (a zombie's reads empty: {})."""
+    try:
+        raw = (proc / str(pid) / "environ").read_bytes()
+    except OSError:  # gone, or not ours to read
+        return None
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
+
+
+def stat(pid: int, proc: Path) -> tuple[str, int] | None:
+    """``(comm, parent pid)`` of ``pid`` (``/proc/PID/stat``); None when it is gone."""
+    try:
+        text = (proc / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    comm = text[text.index("(") + 1:text.rindex(")")]
+    return comm, int(text[text.rindex(")") + 2:].split()[1])
+
+
+def descendants(pid: int, proc: str | os.PathLike = "/proc") -> set[int]:
+    """Process ids below ``pid``: its children, their children, and so on (``/proc/PID/stat``).
+
+    Raises:
+        OSError: ``proc`` cannot be listed.
+    """
+    root = Path(proc)
+    children: dict[int, list[int]] = {}
+    for entry in root.iterdir():
+        if entry.name.isdigit():
+            found_stat = stat(int(entry.name), root)
+            if found_stat is not None:
+                children.setdefault(found_stat[1], []).append(int(entry.name))
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def catches(pid: int, sig: int, proc: str | os.PathLike = "/proc") -> bool | None:
+    """Whether process ``pid`` has a handler installed for ``sig`` (the ``SigCgt`` mask of
+    ``/proc/PID/status``, proc(5)); None when it is gone or unreadable."""
+    try:
+        text = (Path(proc) / str(pid) / "status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (int(sig) - 1) & 1)
+    return None
+
+
+def alive(pid: int, proc: Path) -> bool:
+    """Whether ``pid`` runs (a zombie has exited)."""
+    try:  # a zombie has exited
+        return (proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
