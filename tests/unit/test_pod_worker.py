@@ -15,13 +15,18 @@ from pathlib import Path
 BIN = Path(sys.executable).parent  # the venv's console scripts (hvdtrain)
 
 
-# A rank: catches SIGTERM, takes a moment for its step and stop checkpoint, exits 75.
+# A rank: catches SIGTERM, says so, and finishes its last step and stop checkpoint only once
+# the test writes OUT/release (so the worker is seen waiting for it, whatever the machine's
+# speed); then exits 75.
 RANK = textwrap.dedent("""
     import os, signal, sys, time
     from pathlib import Path
     out, name = Path(sys.argv[1]), sys.argv[2]
     def stop(signum, frame):
-        time.sleep(0.5)  # the last step and the stop checkpoint
+        (out / f"{name}.stopping").write_text(str(os.getpid()))
+        deadline = time.monotonic() + 60
+        while not (out / "release").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         (out / f"{name}.checkpointed").write_text(str(os.getpid()))
         sys.exit(75)
     signal.signal(signal.SIGTERM, stop)
@@ -77,7 +82,17 @@ def test_sigterm_reaches_the_pods_ranks_before_sshd_ends(tmp_path):
         assert int(Path(f"/proc/{pids['b']}/stat").read_text().rsplit(")", 1)[1].split()[1]) \
             == worker.pid
         worker.send_signal(signal.SIGTERM)
-        _, err = worker.communicate(timeout=60)
+        # The worker says it waits for the ranks (a line on its stderr: read until it comes),
+        # while both hold their checkpoint; only then may they finish it. A worker that ended
+        # sshd without waiting would do so while they still hold it.
+        said = []
+        while not said or "waiting for them" not in said[-1]:
+            said.append(worker.stderr.readline())
+            assert said[-1], f"hvdtrain worker ended without waiting: {''.join(said)}"
+        assert {n: int(wait_for(pod / f"{n}.stopping", worker)) for n in "ab"} == pids
+        (pod / "release").touch()
+        _, rest = worker.communicate(timeout=60)
+        err = "".join(said) + rest
         assert worker.returncode == 0, err
         assert {n: int((pod / f"{n}.checkpointed").read_text()) for n in "ab"} == pids
         assert (pod / "sshd-ended").read_text() == "after the ranks"
