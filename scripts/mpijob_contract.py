@@ -64,6 +64,8 @@ import tempfile
 import time
 from pathlib import Path
 
+# The operator's side is written here from its source, not taken from hvdtrain.launch.kubernetes
+# (HOSTFILE_PATH, operator_hostfile): the run checks what the project emits against it.
 HOSTFILE_DIR = "/etc/mpi"  # mpi-operator configMountPath
 OMPI_ENV = {  # mpi-operator ompiEnvVars
     "OMPI_MCA_orte_keep_fqdn_hostnames": "true",

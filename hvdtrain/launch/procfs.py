@@ -1,5 +1,5 @@
 """Reading the process table (``/proc``, proc(5)): a process's environment, name and parent,
-the processes below one, whether one has exited or catches a signal. Linux only; every function
+the processes below one or in one process group, whether one has exited or catches a signal. Linux only; every function
 takes ``proc``, a folder of the same shape, for tests."""
 from __future__ import annotations
 
@@ -18,14 +18,35 @@ def environ(pid: int, proc: Path) -> dict[str, str] | None:
     return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
 
 
-def stat(pid: int, proc: Path) -> tuple[str, int] | None:
-    """``(comm, parent pid)`` of ``pid`` (``/proc/PID/stat``); None when it is gone."""
+def _stat_fields(pid: int, proc: Path) -> tuple[str, list[str]] | None:
+    """``(comm, the fields after it)`` of ``/proc/PID/stat`` (state, ppid, pgrp, ...); None
+    when it is gone. comm may hold spaces and parentheses: it ends at the last ``)``."""
     try:
-        text = (proc / str(pid) / "stat").read_text()
+        text = (Path(proc) / str(pid) / "stat").read_text(errors="replace")
     except OSError:
         return None
-    comm = text[text.index("(") + 1:text.rindex(")")]
-    return comm, int(text[text.rindex(")") + 2:].split()[1])
+    return text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+
+
+def stat(pid: int, proc: Path) -> tuple[str, int] | None:
+    """``(comm, parent pid)`` of ``pid`` (``/proc/PID/stat``); None when it is gone."""
+    found = _stat_fields(pid, proc)
+    return None if found is None else (found[0], int(found[1][1]))
+
+
+def group_members(pgid: int, proc: str | os.PathLike = "/proc") -> list[int]:
+    """Process ids in process group ``pgid`` (``/proc/PID/stat``), the calling process left out.
+
+    Raises:
+        OSError: ``proc`` cannot be listed.
+    """
+    found = []
+    for entry in Path(proc).iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            fields = _stat_fields(int(entry.name), Path(proc))
+            if fields is not None and int(fields[1][2]) == pgid:
+                found.append(int(entry.name))
+    return found
 
 
 def descendants(pid: int, proc: str | os.PathLike = "/proc") -> set[int]:

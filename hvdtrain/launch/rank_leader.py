@@ -29,6 +29,8 @@ import signal
 import subprocess
 import sys
 
+from hvdtrain.launch import procfs
+
 PR_SET_PDEATHSIG = 1
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 
@@ -38,26 +40,9 @@ def term_on_parent_death() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def group_members(pgid: int) -> list[int]:
-    """Process ids in process group ``pgid`` (from ``/proc/PID/stat``), this process left out."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2:].split()  # after "(comm)": state, ppid, pgrp, ...
-        if len(fields) > 2 and int(fields[2]) == pgid:
-            found.append(int(name))
-    return found
-
-
 def end_group() -> None:
     """SIGKILL to every other process in this process's group."""
-    for pid in group_members(os.getpgrp()):
+    for pid in procfs.group_members(os.getpgrp()):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
