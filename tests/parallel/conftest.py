@@ -1,7 +1,9 @@
 """The rank pools tests/parallel shares (tests/parallel/rankpool.py): a live 2-rank job per
 environment (the PyTorch pool, a Keras pool per backend), started by the first test that asks
-for it and kept for the session. An idle pool costs about 0.05 of a core; a pool with Horovod's
-dynamic timeline (whose writer thread polls a core) ends as soon as another pool is asked for.
+for it and kept until the last test of tests/parallel. An idle pool costs about 0.05 of a core.
+A pool with Horovod's dynamic timeline ends with the test that asked for it: its rank 0's
+timeline writer spins on sched_yield (Horovod's TimelineWriter::WriterLoop), seen taking 0.66
+of a core, mostly system time, through the launched jobs of the tests after it (#47).
 
     def test_x(ranks):            # the PyTorch pool
         ranks.run(script("torch_broadcast.py"), "--out", out)
@@ -22,6 +24,8 @@ from jobs import horovodrun, job_env, keras_env, train_in
 from rankpool import TIMELINE_ENV, RankPool
 
 SIZE = 2
+HERE = Path(__file__).resolve().parent
+_SESSION_POOLS: list["Pools"] = []  # the session's Pools, for pytest_runtest_teardown
 
 
 class Pools:
@@ -40,8 +44,7 @@ class Pools:
         """The pool whose ranks start with ``env`` on top of :func:`jobs.job_env` (Keras reads
         its backend once, at import; Horovod its settings once, at ``hvd.init()``)."""
         key = tuple(sorted((env or {}).items()))
-        for other in [k for k in self.live if k != key and dict(k).keys() & TIMELINE_ENV.keys()]:
-            self.live.pop(other).close()
+        self.close_timeline(but=key)
         if key not in self.live:
             self.made += 1
             name = "pool " + (" ".join(f"{k}={v}" for k, v in key) or "(no variables)")
@@ -60,6 +63,11 @@ class Pools:
             env = {"TF_NUM_INTRAOP_THREADS": threads, "TF_NUM_INTEROP_THREADS": threads, **env}
         return self.get({**keras_env(backend), **env})
 
+    def close_timeline(self, but: tuple = ()) -> None:
+        """End every live pool whose ranks run Horovod's dynamic timeline (except ``but``)."""
+        for key in [k for k in self.live if k != but and dict(k).keys() & TIMELINE_ENV.keys()]:
+            self.live.pop(key).close()
+
     def close(self) -> None:
         while self.live:
             self.live.popitem()[1].close()
@@ -68,8 +76,25 @@ class Pools:
 @pytest.fixture(scope="session")
 def pools(tmp_path_factory) -> Pools:
     pools = Pools(tmp_path_factory.mktemp("rankpools"))
+    _SESSION_POOLS.append(pools)
     yield pools
     pools.close()
+    _SESSION_POOLS.remove(pools)
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test of tests/parallel, end its pools: the engine suites that follow in
+    the same session (scripts/test.sh) would otherwise share the cores with their idle ranks."""
+    if nextitem is None or HERE not in Path(str(nextitem.path)).resolve().parents:
+        for pools in _SESSION_POOLS:
+            pools.close()
+
+
+@pytest.fixture(autouse=True)
+def _end_timeline_pools(pools):
+    """After each test of tests/parallel: no timeline pool outlives its test."""
+    yield
+    pools.close_timeline()
 
 
 @pytest.fixture
