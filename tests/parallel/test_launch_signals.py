@@ -180,10 +180,13 @@ def test_yield_when_idle_off_reaches_the_ranks_and_the_record_says_who(tmp_path,
     out = tmp_path / "run"
     extra = ["--launcher", "mpirun"] if launcher == "mpirun" else []
     env = {**job_env(), "OMPI_MCA_mpi_yield_when_idle": "1"}  # as `make` exports it
+    # A few steps of synthetic data: busy-polling ranks on shared cores make every step slow
+    # (one epoch of digits took 60 s in a busy clean-clone run), and the setting is what counts.
     done = subprocess.run(
         [str(BIN / "hvdtrain"), "launch", "-np", "2", *extra, "--yield-when-idle", "off", "--",
-         str(BIN / "hvdtrain"), "train", "--framework", "torch", "--dataset", "digits",
-         "--epochs", "1", "--no-progress", "--output-dir", str(out)],
+         str(BIN / "hvdtrain"), "train", "--framework", "torch", "--dataset", "synthetic",
+         "--synthetic-samples", "160", "--epochs", "1", "--no-progress", "--output-dir",
+         str(out)],
         env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "busy-poll" in done.stderr

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from jobs import BIN, Console, horovodrun, job_env, run, script
+from jobs import BIN, Console, job_env, run, script, train_in
 from testhosts import SHARED_CORES_ENV, SshTestHosts
 
 EPOCHS = "3"
@@ -62,13 +62,13 @@ def test_hosts_are_counted_right_with_unequal_slots(hosts, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def single_host(tmp_path_factory):
-    """The same training on one host (-np 2 on localhost), per framework."""
+def single_host(tmp_path_factory, pools):
+    """The same training on one host (2 ranks on localhost: the session's rank pools, whose
+    ranks train with the thread counts of a launched rank), per framework."""
     results = {}
     for framework in ("torch", "keras"):
         out = tmp_path_factory.mktemp(f"single-{framework}")
-        run(horovodrun(2, "hvdtrain", "train", "--framework", framework, "--epochs", EPOCHS,
-                       "--output-dir", str(out), "--no-progress"))
+        train_in(pools, out, "--epochs", EPOCHS, "--no-progress", framework=framework)
         results[framework] = json.loads((out / "metrics.json").read_text())
     return results
 

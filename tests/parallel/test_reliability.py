@@ -135,7 +135,7 @@ def test_job_killed_after_epoch_2_resumes_to_the_same_weights(train_here, tmp_pa
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert len(metrics(broken)["epochs"]) == 2
-    run(train(broken, *args, "--resume", framework=framework))
+    train_here(broken, *args, "--resume", framework=framework)  # the restart: in the pool too
     resumed, reference = metrics(broken), metrics(whole)
     assert resumed["resumed_from"]["epoch"] == 2 and len(resumed["epochs"]) == 4
     diff = np.abs(load_checkpoint(broken, framework)[1] - load_checkpoint(whole, framework)[1])
