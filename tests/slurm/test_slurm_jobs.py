@@ -102,13 +102,31 @@ def test_launch_inside_salloc_takes_hosts_and_np_from_the_allocation(slurm_clust
     assert m["size"] == 2 and m["hosts"] == 1 and len(m["epochs"]) == 1
 
 
-def drill(env, tmp_path, framework, sig, requeue):
-    """Reference run, then the same job signalled mid-epoch 2; returns (reference dir, drill dir,
-    the job id, seconds from the signal until the job left RUNNING)."""
+@pytest.fixture(scope="module")
+def reference(slurm_cluster, tmp_path_factory):
+    """``reference(framework)``: the output directory of the uninterrupted DRILL job of
+    ``framework`` through slurm/train.sbatch, submitted once per module and compared with by
+    every drill of that framework (the USR1 and the SIGTERM drill share PyTorch's)."""
+    done = {}
+
+    def get(framework):
+        if framework not in done:
+            where = tmp_path_factory.mktemp(f"slurm-reference-{framework}")
+            job = submit(slurm_cluster, where, where / "reference", "--framework", framework,
+                         *DRILL)
+            assert wait_state(slurm_cluster, job, {"COMPLETED", "FAILED", "CANCELLED"}) == \
+                ("COMPLETED", 0)
+            done[framework] = where / "reference"
+        return done[framework]
+    return get
+
+
+def drill(env, tmp_path, reference, framework, sig, requeue):
+    """The DRILL job signalled mid-epoch 2, beside its uninterrupted reference; returns
+    (reference dir, drill dir, the job id, seconds from the signal until the job left
+    RUNNING)."""
     args = ["--framework", framework, *DRILL]
-    ref, out = tmp_path / "reference", tmp_path / "drill"
-    job = submit(env, tmp_path, ref, *args)
-    assert wait_state(env, job, {"COMPLETED", "FAILED", "CANCELLED"}) == ("COMPLETED", 0)
+    ref, out = reference(framework), tmp_path / "drill"
     # Steps from epoch 2 on take >= 0.04 s (75 steps an epoch: >= 3 s), so the signal lands in
     # epoch 2 on any machine (test_preemption.SLOW_FROM_EPOCH_2).
     job = submit(env, tmp_path, out, *args, *SLOW_FROM_EPOCH_2,
@@ -127,8 +145,9 @@ def drill(env, tmp_path, framework, sig, requeue):
 
 @pytest.mark.parametrize("framework", ["torch", "keras"])
 def test_preemption_drill_usr1_requeues_and_resumes_to_the_same_weights(slurm_cluster, tmp_path,
-                                                                        framework):
-    ref, out, job, seconds = drill(slurm_cluster, tmp_path, framework, "USR1", requeue=True)
+                                                                        reference, framework):
+    ref, out, job, seconds = drill(slurm_cluster, tmp_path, reference, framework, "USR1",
+                                   requeue=True)
     stopped = metrics(out)["preempted"]  # written by the stopped run, before the requeue
     print(f"{framework}: {stopped}; the job left RUNNING {seconds:.2f} s after scancel")
     assert stopped["signal"] == "SIGUSR1" and stopped["epoch"] == 2 and stopped["batch"] > 0
@@ -144,8 +163,9 @@ def test_preemption_drill_usr1_requeues_and_resumes_to_the_same_weights(slurm_cl
 
 
 def test_sigterm_checkpoints_without_requeue_and_a_resubmission_resumes(slurm_cluster,
-                                                                        tmp_path):
-    ref, out, job, seconds = drill(slurm_cluster, tmp_path, "torch", "TERM", requeue=False)
+                                                                        tmp_path, reference):
+    ref, out, job, seconds = drill(slurm_cluster, tmp_path, reference, "torch", "TERM",
+                                   requeue=False)
     state, restarts = wait_state(slurm_cluster, job, {"COMPLETED", "FAILED", "CANCELLED"})
     assert restarts == 0 and state != "COMPLETED"  # exit 75: not a success, not requeued
     stopped = metrics(out)["preempted"]
