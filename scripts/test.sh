@@ -7,10 +7,12 @@
 # imports and their shutdown run one process at a time), about a fifth of the serial suite's time
 # on a 2-core machine. So the suites with the most waiting (tests/unit: short processes;
 # tests/slurm: the scheduler; tests/container: image builds; tests/gpu: skipped without a GPU)
-# run beside tests/parallel (then tests/parallel/test_benchmarks.py: BESIDE), and the engine suites (tests/spark, tests/ray: fixed ports, and
-# checks that a refusal comes within seconds) run after tests/parallel in the same session.
+# run beside tests/parallel, then tests/ray and tests/parallel/test_benchmarks.py (BESIDE), to
+# even out the two sessions' length; tests/spark runs after tests/parallel in the main session.
 # Nothing runs at once that shares a port, a cluster or a test host: tests/parallel alone starts
-# sshd test hosts, and Slurm picks free ports of its own.
+# sshd test hosts, tests/spark alone a Spark cluster, tests/ray alone a Ray cluster (its fixed
+# ports 26380-26949, below the kernel's ephemeral range), and Slurm picks free ports of its own.
+# Both sessions make the engines' horovodrun MNIST reference (tests/conftest.py) if they need it.
 #
 # The side session writes its output to a file, printed after both end; the exit status is
 # non-zero when either session failed.
@@ -19,8 +21,10 @@ cd "$(dirname "$0")/.."
 PY=${1:?usage: scripts/test.sh PYTHON [pytest options...]}
 shift
 
-MAIN=(tests/parallel tests/spark tests/ray)
-SIDE=(tests/unit tests/slurm tests/container tests/gpu)
+MAIN=(tests/parallel tests/spark)
+# tests/ray moved here from MAIN (#47): in the clean-clone run of 4b0267e main took 37:04 (tests/ray
+# about 4 of it), the side 28:42.
+SIDE=(tests/unit tests/slurm tests/container tests/gpu tests/ray)
 # Files of tests/parallel that run beside it, at the end of the side session, to even out the two
 # sessions' length (main 48 min, side 26 in the clean-clone run of 5458830): they start no test
 # host, use no rank pool and take no fixed port (horovodrun, mpirun and torchrun --standalone on
