@@ -83,8 +83,8 @@ def pools(tmp_path_factory) -> Pools:
 
 
 def pytest_runtest_teardown(item, nextitem):
-    """After the last test of tests/parallel, end its pools: the engine suites that follow in
-    the same session (scripts/test.sh) would otherwise share the cores with their idle ranks."""
+    """After the last test of tests/parallel, end its pools: tests/spark, which follows in the
+    same session (scripts/test.sh), would otherwise share the cores with their idle ranks."""
     if nextitem is None or HERE not in Path(str(nextitem.path)).resolve().parents:
         for pools in _SESSION_POOLS:
             pools.close()

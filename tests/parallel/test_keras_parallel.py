@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from hvdtrain import schedule
-from jobs import KERAS_BACKENDS, horovodrun, mpirun, rank_script, run, script
+from jobs import (KERAS_BACKENDS, MAIN_EPOCHS, MAIN_EPOCHS_K2, horovodrun, mpirun, rank_script,
+                  run, script)
 from rankpool import TIMELINE_ENV
 
 BACKENDS = pytest.mark.parametrize("backend", KERAS_BACKENDS)
@@ -127,18 +128,16 @@ def check_keras_job(out_dir, size=2, backend="tensorflow"):
 
 @BACKENDS
 def test_keras_main_job_under_horovodrun_reaches_95_percent(tmp_path, backend):
-    # 5 epochs, not the default 15: past 95 % from epoch 3 on both backends (#47).
     run(horovodrun(2, "hvdtrain", "train", "--framework", "keras", "--keras-backend", backend,
-                   "--dataset", "digits", "--epochs", "5", "--output-dir", str(tmp_path),
+                   "--dataset", "digits", "--epochs", MAIN_EPOCHS, "--output-dir", str(tmp_path),
                    "--no-progress"))
     check_keras_job(tmp_path, backend=backend)
 
 
 def test_keras_main_job_under_mpirun_with_accumulation(tmp_path):
-    # 6 epochs, not the default 15: batch 8 with k=2 climbs more slowly (#47).
     run(mpirun(2, "hvdtrain", "train", "--framework", "keras", "--dataset", "digits",
-               "--epochs", "6", "--batch-size", "8", "-k", "2", "--lr", "0.01", "--output-dir",
-               str(tmp_path), "--no-progress"))
+               "--epochs", MAIN_EPOCHS_K2, "--batch-size", "8", "-k", "2", "--lr", "0.01",
+               "--output-dir", str(tmp_path), "--no-progress"))
     m = check_keras_job(tmp_path)
     # 1437 samples -> 718 per rank -> 90 batches of 8 -> 45 optimizer steps per epoch.
     assert all(e["optimizer_steps"] == 45 for e in m["epochs"])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from jobs import Console, horovodrun, mpirun, rank_script, run
+from jobs import MAIN_EPOCHS, MAIN_EPOCHS_K2, Console, horovodrun, mpirun, rank_script, run
 from rankpool import TIMELINE_ENV
 from hvdtrain import datasets
 from hvdtrain.torch.models import build_model
@@ -86,12 +86,6 @@ def check_main_job(out_dir, size=2):
     return metrics
 
 
-# The digits job's accuracy climbs past 95 % within its first 5 epochs at np=2: the launched jobs
-# here run MAIN_EPOCHS (6 with accumulation, whose batch of 8 climbs more slowly) instead of the
-# default 15, which added nothing these tests assert (#47).
-MAIN_EPOCHS = "5"
-
-
 def test_main_job_under_horovodrun_reaches_95_percent(tmp_path):
     proc = run(horovodrun(2, "hvdtrain", "train", "--framework", "torch", "--dataset", "digits",
                           "--epochs", MAIN_EPOCHS, "--output-dir", str(tmp_path), "--no-progress"))
@@ -104,8 +98,8 @@ def test_main_job_under_horovodrun_reaches_95_percent(tmp_path):
 
 def test_main_job_under_mpirun_with_accumulation(tmp_path):
     run(mpirun(2, "hvdtrain", "train", "--framework", "torch", "--dataset", "digits",
-               "--epochs", "6", "--batch-size", "8", "--backward-passes-per-step", "2",
-               "--output-dir", str(tmp_path), "--no-progress"))
+               "--epochs", MAIN_EPOCHS_K2, "--batch-size", "8", "--backward-passes-per-step",
+               "2", "--output-dir", str(tmp_path), "--no-progress"))
     m = check_main_job(tmp_path)
     assert m["global_batch"] == 32 and m["backward_passes_per_step"] == 2
     # 1437 samples -> 719 per rank -> 90 micro-batches of 8 -> 45 optimizer steps per epoch.

@@ -1,8 +1,8 @@
 """tests/spark: hvdtrain.spark on a real Spark standalone cluster (a master and two 1-core workers
 on 127.0.0.1), started once for the session by the ``spark_cluster`` fixture and stopped by its
-process ids after the last test of tests/spark, then checked: no process of the cluster or of a
-rank is left. Skipped, with the reason, where pyspark, Java or Horovod is missing
-(scripts/setup_engines.sh installs the first two; `make setup` runs it)."""
+process ids at the end; the fixture then checks that no process of the cluster or of a rank is
+left. Skipped, with the reason, where pyspark, Java or Horovod is missing (scripts/setup_engines.sh
+installs the first two; `make setup` runs it)."""
 import importlib.util
 import shutil
 import sys
@@ -31,36 +31,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-_LIVE: list[StandaloneCluster] = []  # started and not yet stopped
-
-
 @pytest.fixture(scope="session")
 def spark_cluster(tmp_path_factory):
     cluster = StandaloneCluster(tmp_path_factory.mktemp("spark-cluster"), workers=2)
-    _LIVE.append(cluster)
+    below = []
     try:
         cluster.start()
         yield cluster
     finally:
-        _stop(cluster)
-
-
-def pytest_runtest_teardown(item, nextitem):
-    """After the last test of tests/spark, stop the cluster: tests/ray follows in the same
-    session (scripts/test.sh), and the cluster's idle JVMs would share the cores with it."""
-    if nextitem is None or HERE not in Path(str(nextitem.path)).resolve().parents:
-        for cluster in list(_LIVE):
-            _stop(cluster)
-
-
-def _stop(cluster: StandaloneCluster) -> None:
-    """Stop ``cluster`` by its process ids (once), then check that no process of the cluster
-    or of a rank is left."""
-    if cluster not in _LIVE:
-        return
-    _LIVE.remove(cluster)
-    below = cluster.descendants()
-    cluster.stop()
+        below = cluster.descendants()
+        cluster.stop()
     left = [f"{p.pid} {' '.join(p.cmdline())[:200]}" for p in below if _alive(p)]
     assert not left, f"processes left after the cluster stopped: {left}"
 
