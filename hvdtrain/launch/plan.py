@@ -174,7 +174,9 @@ def plan(args, env: dict[str, str] | None = None, gpus: int | None = None) -> La
         if not args.network_interfaces and "--network-interfaces" in argv:
             chosen = argv[argv.index("--network-interfaces") + 1]
             notes.append(f"--elastic: every host the discovery script printed is this machine, "
-                         f"so --network-interfaces {chosen}")
+                         f"so --network-interfaces {chosen}; hosts of other machines it prints "
+                         f"later cannot reach {chosen}: to let the job grow onto them, launch "
+                         f"with --network-interfaces IFACE (the interface they share, e.g. eth0)")
         env[LAUNCH_CHOICES_VAR] = json.dumps(
             {k: f"hvdtrain launch {_KNOB_OPTIONS.get(k, k)}" for k in knobs})
         return LaunchPlan("horovodrun", argv, env, shlex.join(argv), notes, [], args.np, None,

@@ -338,6 +338,9 @@ def test_launch_elastic_dry_run_shows_the_interface_or_refuses(tmp_path):
     proc = subprocess.run(exe + [local, "--", "true"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "--network-interfaces lo" in proc.stdout
+    # The choice is said, with what it rules out (hosts of other machines joining later).
+    assert "hosts of other machines it prints later cannot reach lo" in proc.stderr
+    assert "launch with --network-interfaces IFACE" in proc.stderr
     remote = tmp_path / "remote"
     remote.mkdir()
     proc = subprocess.run(exe + [discovery_script(remote, "echo 198.51.100.7:2"), "--", "true"],
