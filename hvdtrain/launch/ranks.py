@@ -52,6 +52,37 @@ def slot_plan(hosts: list[str]) -> list:
     return slots
 
 
+def shared_visible_devices(plan: list, assigned: list[list[str]]) -> list[str | None]:
+    """``CUDA_VISIBLE_DEVICES`` for each task's rank from the GPUs the engine assigned to each task
+    (Spark's ``TaskContext.resources()['gpu'].addresses``), as Ray Train shares them
+    (``share_cuda_visible_devices``): every rank on a host sees the GPUs of all that host's tasks,
+    listed in local-rank order, so the GPU a rank picks by its local rank (``cuda:<local_rank>``,
+    :func:`hvdtrain.runtime.choose_device`) is the first one its own task was given, and NCCL
+    sees the peers it may reach directly.
+
+    Args:
+        plan: every task's ``SlotInfo`` (:func:`slot_plan`), index = task.
+        assigned: the GPU addresses of each task (strings, e.g. ``["3"]``; ``[]`` without GPUs).
+
+    Returns:
+        Per task, the value to set, or None (no GPUs assigned on that task's host: the rank keeps
+        the executor's environment). A GPU given to two tasks of a host (a fractional
+        ``spark.task.resource.gpu.amount``) is listed once, so the rank sees fewer GPUs than
+        ranks and ``init`` says so (NCCL refuses two ranks on one GPU).
+    """
+    by_host: dict[str, list[tuple[int, list[str]]]] = {}
+    for slot, gpus in zip(plan, assigned):
+        by_host.setdefault(slot.hostname, []).append((slot.local_rank, list(gpus)))
+    visible: dict[str, str | None] = {}
+    for host, tasks in by_host.items():
+        if not all(gpus for _, gpus in tasks):
+            visible[host] = None
+            continue
+        firsts = [gpus[0] for _, gpus in sorted(tasks)]
+        visible[host] = ",".join(dict.fromkeys(firsts))
+    return [visible[slot.hostname] for slot in plan]
+
+
 class Rendezvous:
     """Horovod's Gloo rendezvous (the HTTP key-value store ``horovodrun`` runs), bound to
     ``host`` only, on a free port.

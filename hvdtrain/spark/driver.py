@@ -119,7 +119,10 @@ def task_slots(sc) -> tuple[int | None, str]:
     cpus = sc.getConf().get("spark.task.cpus", "1")
     if sc.master.startswith("local"):
         return slots, f"master {sc.master}"
-    return slots, f"{executors} executor(s), spark.task.cpus={cpus}"
+    gpus = sc.getConf().get("spark.task.resource.gpu.amount", None)
+    per_task = f"spark.task.cpus={cpus}" + (f", spark.task.resource.gpu.amount={gpus}"
+                                             if gpus else "")
+    return slots, f"{executors} executor(s), {per_task}"
 
 
 def wait_for_slots(sc, num_proc: int, timeout: float) -> None:

@@ -4,7 +4,9 @@ rank, as Spark's ``TorchDistributor`` starts torchrun):
 1. learn every task's host from ``BarrierTaskContext.getTaskInfos()`` and lay the ranks out as
    ``horovodrun`` would (:func:`hvdtrain.launch.ranks.slot_plan`; task 0 is rank 0);
 2. task 0 starts Horovod's Gloo rendezvous on its own address and shares the port with
-   ``allGather``;
+   ``allGather``, which also shares the GPUs Spark gave each task: every rank on a host sees that
+   host's tasks' GPUs in local-rank order (:func:`hvdtrain.launch.ranks.shared_visible_devices`),
+   so the one it picks by local rank is its own task's;
 3. each task runs its rank as a child process with ``horovodrun``'s ``HOROVOD_*`` variables,
    rank 0's output streamed to the driver, every rank's written to the executor's stderr log;
 4. all tasks meet at a barrier before task 0 stops the rendezvous; a rank that failed fails its
@@ -12,6 +14,7 @@ rank, as Spark's ``TorchDistributor`` starts torchrun):
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -52,8 +55,12 @@ def make_task(job: dict):
         try:
             if partition == 0:
                 server = ranks.Rendezvous(hosts[0], plan)
-            port = int(ctx.allGather(str(server.port) if server else "")[0])
-            code, result = _run_rank(job, slot, hosts, partition, port)
+            # Task 0's rendezvous port, and the GPUs Spark gave each task.
+            shared = [json.loads(m) for m in ctx.allGather(json.dumps(
+                {"port": server.port if server else None, "gpus": _task_gpus(ctx)}))]
+            port = int(shared[0]["port"])
+            visible = ranks.shared_visible_devices(plan, [m["gpus"] for m in shared])[partition]
+            code, result = _run_rank(job, slot, hosts, partition, port, visible)
             ctx.barrier()  # every rank done before task 0 drops the rendezvous
         finally:
             if server is not None:
@@ -63,11 +70,21 @@ def make_task(job: dict):
     return task
 
 
-def _run_rank(job: dict, slot, hosts: list[str], partition: int, port: int):
+def _task_gpus(ctx) -> list[str]:
+    """The GPU addresses Spark's resource scheduling gave this task (``spark.task.resource.gpu
+    .amount``), ``[]`` without."""
+    gpu = ctx.resources().get("gpu")
+    return list(gpu.addresses) if gpu is not None else []
+
+
+def _run_rank(job: dict, slot, hosts: list[str], partition: int, port: int,
+              visible: str | None = None):
     from hvdtrain.spark.service import TaskLink
     host = hosts[partition]
     iface = job["nics"][0] if job["nics"] else ranks.iface_of(host)
     env = ranks.rank_env(slot, hosts[0], port, iface, ENGINE, job["env"])
+    if visible is not None:  # the GPUs Spark assigned, not the executor's or local-rank guesses
+        env["CUDA_VISIBLE_DEVICES"] = visible
     link = TaskLink(job["driver"], partition, slot.rank, host, os.getpid())
     log = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
 

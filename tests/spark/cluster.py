@@ -89,23 +89,30 @@ def spark_job_env() -> dict:
 class StandaloneCluster:
     """A master and ``workers`` 1-core workers on 127.0.0.1, logs and work dirs under ``root``.
 
+    With ``gpus``, worker i also offers one GPU at address ``gpus[i]`` to Spark's resource
+    scheduling (``spark.worker.resource.gpu.*``, its discovery script printing that address): an
+    application that asks for none (``spark.executor.resource.gpu.amount``) never sees it, and
+    nothing here needs a real GPU.
+
     Attributes:
         url: ``spark://127.0.0.1:PORT`` once started.
         master: the master's Popen; workers: the workers' Popens (index = worker number).
     """
 
-    def __init__(self, root: Path, workers: int = 2, memory: str = "1500m"):
+    def __init__(self, root: Path, workers: int = 2, memory: str = "1500m",
+                 gpus: list[str] | None = None):
         self.root, self.n_workers, self.memory = Path(root), workers, memory
+        self.gpus = gpus
         self.root.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.url = f"spark://{LOOPBACK}:{self.port}"
         self.master: subprocess.Popen | None = None
         self.workers: list[subprocess.Popen | None] = []
 
-    def _spawn(self, name: str, *argv: str) -> subprocess.Popen:
+    def _spawn(self, name: str, *argv: str, env: dict | None = None) -> subprocess.Popen:
         log = open(self.root / f"{name}.log", "ab")
         # spark-class execs java, so the pid is the daemon's JVM.
-        return subprocess.Popen([spark_class(), *argv], env=spark_env(), stdout=log,
+        return subprocess.Popen([spark_class(), *argv], env=env or spark_env(), stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
 
@@ -124,9 +131,17 @@ class StandaloneCluster:
         """Start (or restart) worker ``i``: 1 core, its own work dir."""
         work = self.root / f"worker{i}"
         work.mkdir(exist_ok=True)
+        env = spark_env()
+        if self.gpus:
+            script = self.root / f"worker{i}-gpus.sh"
+            script.write_text("#!/bin/sh\necho '{\"name\": \"gpu\", \"addresses\": [\"%s\"]}'\n"
+                              % self.gpus[i])
+            script.chmod(0o755)
+            env["SPARK_WORKER_OPTS"] = ("-Dspark.worker.resource.gpu.amount=1 "
+                                        f"-Dspark.worker.resource.gpu.discoveryScript={script}")
         proc = self._spawn(f"worker{i}", "org.apache.spark.deploy.worker.Worker", self.url,
                            "--host", LOOPBACK, "--cores", "1", "--memory", self.memory,
-                           "--webui-port", str(free_port()), "--work-dir", str(work))
+                           "--webui-port", str(free_port()), "--work-dir", str(work), env=env)
         while len(self.workers) <= i:
             self.workers.append(None)
         self.workers[i] = proc

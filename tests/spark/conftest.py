@@ -15,6 +15,8 @@ sys.path.insert(0, str(HERE))
 
 from cluster import StandaloneCluster  # noqa: E402
 
+SPARK_GPUS = ["3", "5"]  # the address of the GPU each worker offers (worker index)
+
 MISSING = [what for what, ok in (
     ("pyspark (bash scripts/setup_engines.sh)", importlib.util.find_spec("pyspark") is not None),
     ("java (a JRE; bash scripts/setup_engines.sh)", shutil.which("java") is not None),
@@ -33,7 +35,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def spark_cluster(tmp_path_factory):
-    cluster = StandaloneCluster(tmp_path_factory.mktemp("spark-cluster"), workers=2)
+    # Each worker also offers one (pretend) GPU, at addresses 3 and 5, for the test of GPU
+    # scheduling; applications that ask for no GPU are unaffected.
+    cluster = StandaloneCluster(tmp_path_factory.mktemp("spark-cluster"), workers=2,
+                                gpus=SPARK_GPUS)
     below = []
     try:
         cluster.start()

@@ -267,3 +267,30 @@ def test_a_ranks_own_children_end_with_it_on_the_executors(spark_cluster, tmp_pa
                 "2", "--", "sh", "-c", script], timeout=300, check=False)
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert left_after(marker) == []
+
+
+def test_each_rank_gets_the_gpu_spark_assigned_to_its_task(spark_cluster, tmp_path):
+    """#48 (Spark GPU scheduling): with ``spark.task.resource.gpu.amount=1`` each rank computes
+    on the GPU Spark gave its task, not on the one its local rank would name. Worker i offers one
+    pretend GPU at address conftest.SPARK_GPUS[i] (3 and 5; no real GPU is touched): both ranks,
+    on one host, see "3,5" or "5,3" in local-rank order, and the entry at a rank's local rank is
+    its own task's address. Read from each worker's executor log (a file Spark writes)."""
+    from conftest import SPARK_GPUS
+    marker = f"gpu-check-{os.getpid()}"
+    script = (f'echo "{marker} rank=$HOROVOD_RANK local=$HOROVOD_LOCAL_RANK '
+              f'visible=${{CUDA_VISIBLE_DEVICES-unset}}" >&2')
+    proc = run([sys.executable, "-m", "hvdtrain.spark", "--master", spark_cluster.url, "-np",
+                "2", "--conf", "spark.executor.resource.gpu.amount=1", "--conf",
+                "spark.task.resource.gpu.amount=1", "--", "sh", "-c", script], timeout=300)
+    assert proc.returncode == 0
+    seen = {}
+    for i, address in enumerate(SPARK_GPUS):
+        lines = [line for log in (spark_cluster.root / f"worker{i}").rglob("stderr")
+                 for line in log.read_text(errors="replace").splitlines() if marker in line]
+        assert len(lines) == 1, f"worker {i}'s executor logs hold {lines}"
+        fields = dict(f.split("=", 1) for f in lines[0].split()[1:])
+        visible = fields["visible"].split(",")
+        assert sorted(visible) == sorted(SPARK_GPUS), lines[0]
+        assert visible[int(fields["local"])] == address, lines[0]
+        seen[fields["rank"]] = fields["visible"]
+    assert set(seen) == {"0", "1"} and seen["0"] == seen["1"]
