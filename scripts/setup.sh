@@ -778,10 +778,10 @@ if [ "${HVDTRAIN_COMPILE_BYTECODE:-1}" != 0 ]; then
   bytecode_stamp=$site/.hvdtrain-bytecode
   if [ ! -f "$bytecode_stamp" ] || \
       [ -n "$(find "$site" -mindepth 1 -maxdepth 1 -newer "$bytecode_stamp" -print -quit)" ]; then
-    if [ -w "$site" ]; then
+    if [ -d "$site" ] && [ -w "$site" ]; then
       phase "compiling $site to bytecode (once per install)" compile_bytecode
     else
-      log "not compiling $site to bytecode: not writable by $(id -un)"
+      log "not compiling $site to bytecode: not a folder $(id -un) can write to"
     fi
   fi
   # hvdtrain's own files (editable), every time: what changed since is compiled again (< 1 s).

@@ -106,9 +106,10 @@ def _env(tmp_path: Path, nvcc: str | None = NVCC, **extra) -> dict:
     path = f"{fakebin}:/usr/bin:/bin"
     if nvcc:
         path = f"{_toolkit(tmp_path / 'cuda-standin', nvcc) / 'bin'}:{path}"
+    # No bytecode step: the stand-in pythons cannot compile (test_setup_compiled_... checks it).
     env = {"PATH": path, "HOME": str(tmp_path / "home"),
            "HVDTRAIN_CACHE": str(tmp_path / "cache"), "CUDA_HOME": str(tmp_path / "no-cuda"),
-           "LANG": "C.UTF-8"}
+           "LANG": "C.UTF-8", "HVDTRAIN_COMPILE_BYTECODE": "0"}
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -643,3 +644,26 @@ esac
     assert editable.endswith(f"--no-deps --no-build-isolation -e {ROOT}")
     assert not (tmp_path / "pystate" / "pip-install").exists()  # pip was not used
     assert uv.exists()
+
+
+def test_setup_compiled_what_every_rank_imports_to_bytecode():
+    """setup.sh step 6 ran for the environment these tests run in (make test sets it up first):
+    the modules each torch rank imports and uv leaves without bytecode (sympy, torch._dynamo,
+    mpmath) have current .pyc files, read even where PYTHONDONTWRITEBYTECODE is set; so do
+    hvdtrain's own."""
+    import importlib.util
+    import sysconfig
+    if os.environ.get("HVDTRAIN_COMPILE_BYTECODE") == "0":
+        pytest.skip("HVDTRAIN_COMPILE_BYTECODE=0: set-up step 6 was skipped on purpose")
+    site = Path(sysconfig.get_paths()["purelib"])
+    if Path(sys.prefix) != ROOT / ".venv" or not (site / ".hvdtrain-bytecode").exists():
+        pytest.skip(f"not the environment make setup made ({sys.prefix})")
+    for module in ("sympy/__init__.py", "sympy/core/basic.py", "mpmath/__init__.py",
+                   "torch/_dynamo/__init__.py", "torch/_dynamo/symbolic_convert.py",
+                   "keras/src/__init__.py"):
+        source = site / module
+        pyc = Path(importlib.util.cache_from_source(str(source)))
+        assert pyc.exists(), f"{pyc}: no bytecode for {source}"
+        assert pyc.stat().st_mtime >= source.stat().st_mtime
+    hv = ROOT / "hvdtrain" / "cli.py"
+    assert Path(importlib.util.cache_from_source(str(hv))).exists()
