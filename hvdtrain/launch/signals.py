@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -194,6 +195,26 @@ def ssh_argv(host: str, command: list[str], ssh_port: int | None = None,
     return argv + [host, shlex.join(command)]
 
 
+def horovodrun_runs_mpirun(argv: list[str], env: Mapping[str, str],
+                           built_with_mpi: bool | None = None) -> bool:
+    """Whether ``horovodrun`` with ``argv`` starts its ranks with ``mpirun``, as Horovod 0.28.1
+    decides (``horovod.runner.launch.run_controller``): not with ``--gloo``, ``--jsrun`` or an
+    elastic job (``--host-discovery-script``); with ``--mpi``; otherwise when Horovod was built
+    with MPI (``built_with_mpi``, default :func:`hvdtrain.launch.tuning.horovod_built_with_mpi`;
+    unknown counts as built with it), unless this is an LSF job (``LSB_JOBID``) with ``jsrun``
+    on ``PATH``, where it uses jsrun. A Horovod built without MPI falls back to Gloo."""
+    flags = set(argv)
+    if {"--gloo", "--jsrun", "--host-discovery-script"} & flags:
+        return False
+    if "--mpi" in flags:
+        return True
+    if built_with_mpi is None:
+        from hvdtrain.launch.tuning import horovod_built_with_mpi
+        built_with_mpi = horovod_built_with_mpi()
+    if built_with_mpi is False:
+        return False
+    return not ("LSB_JOBID" in env and shutil.which("jsrun", path=env.get("PATH")))
+
 class RankSignals:
     """Runs a launcher and hands SIGTERM/SIGUSR1/SIGINT to its ranks (see the module docstring).
 
@@ -229,8 +250,11 @@ class RankSignals:
         # step and its checkpoint are done; and scancel signals every process of the job, mpirun
         # included. Started with SIGTERM blocked, mpirun never acts on it (the ranks get it from
         # the sender or from here): Open MPI unblocks every signal in the ranks it starts.
+        # Only where the ranks are mpirun's: Horovod's own Gloo launcher (--gloo, elastic, a
+        # Horovod built without MPI) and jsrun hand the blocked mask on to the ranks, where a
+        # command other than hvdtrain train would never see a SIGTERM.
         self.blocks_sigterm = launcher == "mpirun" or (
-            launcher == "horovodrun" and not {"--gloo", "--host-discovery-script"} & set(argv))
+            launcher == "horovodrun" and horovodrun_runs_mpirun(argv, self.env))
 
     def _remote_hosts(self) -> list[str]:
         hosts = self.hosts() if callable(self.hosts) else self.hosts

@@ -308,6 +308,44 @@ def test_mpirun_never_acts_on_sigterm_and_its_ranks_do(tmp_path, launch, blocked
     assert runner.blocks_sigterm == blocked
 
 
+@pytest.mark.parametrize("argv,env,built,mpirun", [
+    (["horovodrun", "-np", "2"], {}, True, True),
+    (["horovodrun", "-np", "2"], {}, None, True),  # unknown build: as before, MPI
+    # #48: a Horovod built without MPI falls back to its Gloo launcher, which hands the blocked
+    # mask on to the ranks, where a command other than hvdtrain train never sees SIGTERM.
+    (["horovodrun", "-np", "2"], {}, False, False),
+    (["horovodrun", "--mpi", "-np", "2"], {}, False, True),
+    (["horovodrun", "--jsrun", "-np", "2"], {}, True, False),
+    (["horovodrun", "-np", "2", "--host-discovery-script", "d"], {}, True, False),
+    (["horovodrun", "-np", "2"], {"LSB_JOBID": "7", "PATH": "JSRUN"}, True, False),  # LSF: jsrun
+    (["horovodrun", "-np", "2"], {"LSB_JOBID": "7", "PATH": "/nonexistent"}, True, True)])
+def test_sigterm_is_blocked_only_where_horovodrun_runs_mpirun(tmp_path, argv, env, built, mpirun):
+    if env.get("PATH") == "JSRUN":
+        jsrun = tmp_path / "jsrun"
+        jsrun.write_text("#!/bin/sh\n")
+        jsrun.chmod(0o755)
+        env = {**env, "PATH": str(tmp_path)}
+    assert signals.horovodrun_runs_mpirun(argv, env, built_with_mpi=built) is mpirun
+
+
+def test_the_build_is_read_from_horovods_extension_files(tmp_path, monkeypatch):
+    """hvdtrain.launch.tuning.horovod_built_with_mpi reads the extensions' files: this
+    environment's Horovod (built with MPI by setup.sh) says yes; a stand-in package whose
+    extension links no libmpi says no; none at all is unknown."""
+    from hvdtrain.launch import tuning
+    assert tuning.horovod_built_with_mpi() is True
+    fake = tmp_path / "site" / "horovod"
+    (fake / "torch").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "torch" / "mpi_lib_v2.cpython-311-x86_64-linux-gnu.so").write_bytes(
+        b"\x7fELF" + b"libgloo.so\0libc.so.6\0" * 100)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "horovod", raising=False)
+    assert tuning.horovod_built_with_mpi() is False
+    (fake / "torch" / "mpi_lib_v2.cpython-311-x86_64-linux-gnu.so").unlink()
+    assert tuning.horovod_built_with_mpi() is None
+
+
 def test_a_launcher_with_sigterm_blocked_lets_its_ranks_finish(tmp_path):
     rank = tmp_path / "rank.py"
     rank.write_text("import signal, sys, time\n"
