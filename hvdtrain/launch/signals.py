@@ -48,6 +48,7 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -193,6 +194,33 @@ def ssh_argv(host: str, command: list[str], ssh_port: int | None = None,
     if ssh_identity_file:
         argv += ["-i", str(ssh_identity_file)]
     return argv + [host, shlex.join(command)]
+
+
+def mpirun_keeping_sigterm_blocked(env: Mapping[str, str]) -> tuple[dict[str, str], str | None]:
+    """``env`` with a folder first on ``PATH`` whose ``mpirun`` blocks SIGTERM, then runs the
+    real one (found on ``env``'s ``PATH``) as ``mpirun`` with the same arguments; and that
+    folder (None, ``env`` unchanged, where no ``mpirun`` is found).
+
+    ``horovodrun`` runs ``/bin/sh -c "mpirun ..."``, and a POSIX shell (dash) clears the blocked
+    signal mask it inherits, so a mask set on ``horovodrun`` never reached its ``mpirun``: that
+    ``mpirun`` answered a ``scancel``'s SIGTERM by killing the ranks a second later
+    (``odls_base_sigkill_timeout``). Open MPI unblocks every signal in the ranks it starts.
+    The folder is also on the ranks' ``PATH`` (``horovodrun`` exports it), where it does
+    nothing but run the same ``mpirun``."""
+    real = shutil.which("mpirun", path=env.get("PATH"))
+    if real is None:
+        return dict(env), None
+    import tempfile
+    folder = tempfile.mkdtemp(prefix="hvdtrain-mpirun-")
+    shim = Path(folder) / "mpirun"
+    shim.write_text(f"#!{sys.executable} -S\n"
+                    "# hvdtrain launch: mpirun with SIGTERM blocked (hvdtrain.launch.signals)\n"
+                    "import os, signal, sys\n"
+                    "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})\n"
+                    f"os.execv({real!r}, ['mpirun'] + sys.argv[1:])\n")
+    shim.chmod(0o755)
+    path = env.get("PATH", "")
+    return {**env, "PATH": f"{folder}{os.pathsep}{path}" if path else folder}, folder
 
 
 def horovodrun_runs_mpirun(argv: list[str], env: Mapping[str, str],
@@ -352,12 +380,26 @@ class RankSignals:
         self._threads[-1].start()
 
     def start(self) -> subprocess.Popen:
-        """Start the launcher in its own session (an MPI one with SIGTERM blocked)."""
+        """Start the launcher in its own session (an MPI one with SIGTERM blocked; under
+        ``horovodrun``, its ``mpirun`` through :func:`mpirun_keeping_sigterm_blocked`)."""
         blocked = {signal.SIGTERM} if self.blocks_sigterm else set()
-        self.proc = subprocess.Popen(
-            self.argv, env=self.env, start_new_session=True,
-            preexec_fn=(lambda: signal.pthread_sigmask(signal.SIG_BLOCK, blocked))
-            if blocked else None)
+        env, ignore = self.env, False
+        if blocked and self.launcher == "horovodrun":
+            # horovodrun becomes "/bin/sh -c 'mpirun ...'": the shell clears the mask but keeps
+            # a signal ignored on entry ignored (POSIX), so it outlives a scancel's SIGTERM and
+            # reports mpirun's status; mpirun gets its mask from the shim.
+            ignore = True
+            env, shim_dir = mpirun_keeping_sigterm_blocked(env)
+            if shim_dir is not None:  # removed with this object, or at exit
+                weakref.finalize(self, shutil.rmtree, shim_dir, ignore_errors=True)
+
+        def child() -> None:
+            signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+            if ignore:
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+        self.proc = subprocess.Popen(self.argv, env=env, start_new_session=True,
+                                     preexec_fn=child if blocked else None)
         return self.proc
 
     def run(self) -> int:

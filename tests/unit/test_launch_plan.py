@@ -346,7 +346,8 @@ def test_the_build_is_read_from_horovods_extension_files(tmp_path, monkeypatch):
     assert tuning.horovod_built_with_mpi() is None
 
 
-def test_a_launcher_with_sigterm_blocked_lets_its_ranks_finish(tmp_path):
+@pytest.mark.parametrize("launcher", ["mpirun", "horovodrun"])
+def test_a_launcher_with_sigterm_blocked_lets_its_ranks_finish(tmp_path, launcher):
     rank = tmp_path / "rank.py"
     rank.write_text("import signal, sys, time\n"
                     "def term(*_):\n    time.sleep(2)\n    sys.exit(75)\n"
@@ -355,21 +356,27 @@ def test_a_launcher_with_sigterm_blocked_lets_its_ranks_finish(tmp_path):
                     "signal.pause()\n")  # until the signal; the handler exits
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost slots=1\n")
-    launch = plan(launch_args(hostfile=str(hosts), launcher="mpirun",
+    launch = plan(launch_args(hostfile=str(hosts), launcher=launcher,
                               command=["--", sys.executable, str(rank)]),
                   env={**os.environ}, gpus=0)
-    runner = signals.RankSignals(launch.argv, launch.env, "mpirun")
+    runner = signals.RankSignals(launch.argv, launch.env, launcher)
     proc = runner.start()
     try:
         deadline = time.monotonic() + 60
         while not (tmp_path / "ready").exists():
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.05)
-        status = open(f"/proc/{proc.pid}/status").read()
+        # mpirun itself, or the one horovodrun runs through /bin/sh -c (which clears a blocked
+        # mask it inherits: before #48's fix this mpirun had SIGTERM unblocked).
+        import psutil
+        job = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        mpirun = [p.pid for p in job if p.name() == "mpirun"]
+        assert len(mpirun) == 1, [(p.pid, p.name()) for p in job]
+        status = open(f"/proc/{mpirun[0]}/status").read()
         assert int(status.split("SigBlk:")[1].split()[0], 16) >> (signal.SIGTERM - 1) & 1
         ranks = signals.rank_pids(runner.launch_id)
         assert len(ranks) == 1
-        for pid in [proc.pid, *ranks]:  # as scancel does
+        for pid in [p.pid for p in job]:  # as scancel does: every process of the job
             os.kill(pid, signal.SIGTERM)
         assert proc.wait(timeout=60) == 75  # the rank's own status: its 2 s handler finished
     finally:
