@@ -177,12 +177,15 @@ def test_sigterm_checkpoints_without_requeue_and_a_resubmission_resumes(slurm_cl
     assert np.abs(weights(out, "torch") - weights(ref, "torch")).max() <= 1e-6
 
 
-def test_scancel_of_a_job_launched_with_mpirun_ends_in_a_stop_checkpoint(slurm_cluster, tmp_path):
+@pytest.mark.parametrize("launcher", ["mpirun", "horovodrun"])
+def test_scancel_of_a_job_launched_with_mpirun_ends_in_a_stop_checkpoint(slurm_cluster, tmp_path,
+                                                                          launcher):
     # scancel signals every process of the job, mpirun included; mpirun hands SIGTERM to the
     # ranks and (Open MPI's default) SIGKILLs them 1 s later, before a step of 3 s and its
-    # checkpoint are done. hvdtrain launch starts mpirun with SIGTERM blocked.
+    # checkpoint are done. hvdtrain launch starts mpirun with SIGTERM blocked; under horovodrun
+    # (/bin/sh -c mpirun, a shell that clears the mask) through its mpirun shim (#48).
     out = tmp_path / "drill"
-    job = submit({**slurm_cluster, "HVDTRAIN_LAUNCHER": "mpirun"}, tmp_path, out,
+    job = submit({**slurm_cluster, "HVDTRAIN_LAUNCHER": launcher}, tmp_path, out,
                  "--framework", "torch", *DRILL, "--fault-slow-from", "75:3", "--no-requeue")
     deadline = time.monotonic() + TIMEOUT
     while not (out / "metrics.json").exists():  # epoch 1 is done
