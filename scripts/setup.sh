@@ -19,7 +19,8 @@
 #    writes none, and with PYTHONDONTWRITEBYTECODE set (as in many CI and container set-ups) no
 #    process writes any, so every process compiled what it imported again: import torch._dynamo
 #    (any torch optimizer's first step) took 7.8-10.1 s on a busy 2-core machine, 1.4-3.0 s with
-#    its bytecode. HVDTRAIN_COMPILE_BYTECODE=0 skips it.
+#    its bytecode. Not hvdtrain's own files: all of them compile in 0.15 s of CPU.
+#    HVDTRAIN_COMPILE_BYTECODE=0 skips it.
 #
 # GPU build: when torch is a CUDA build (torch.version.cuda) and nvcc is found, Horovod is built
 # with HOROVOD_GPU_OPERATIONS=NCCL for the GPUs present, against the NCCL of the nvidia-nccl-cu*
@@ -783,10 +784,6 @@ if [ "${HVDTRAIN_COMPILE_BYTECODE:-1}" != 0 ]; then
     else
       log "not compiling $site to bytecode: not a folder $(id -un) can write to"
     fi
-  fi
-  # hvdtrain's own files (editable), every time: what changed since is compiled again (< 1 s).
-  if [ -d "$ROOT/hvdtrain" ] && [ -w "$ROOT/hvdtrain" ]; then
-    "$PY" -m compileall -q "$ROOT/hvdtrain" >> "$LOG" 2>&1 || true
   fi
 fi
 

@@ -649,8 +649,7 @@ esac
 def test_setup_compiled_what_every_rank_imports_to_bytecode():
     """setup.sh step 6 ran for the environment these tests run in (make test sets it up first):
     the modules each torch rank imports and uv leaves without bytecode (sympy, torch._dynamo,
-    mpmath) have current .pyc files, read even where PYTHONDONTWRITEBYTECODE is set; so do
-    hvdtrain's own."""
+    mpmath) have current .pyc files, read even where PYTHONDONTWRITEBYTECODE is set."""
     import importlib.util
     import sysconfig
     if os.environ.get("HVDTRAIN_COMPILE_BYTECODE") == "0":
@@ -665,5 +664,3 @@ def test_setup_compiled_what_every_rank_imports_to_bytecode():
         pyc = Path(importlib.util.cache_from_source(str(source)))
         assert pyc.exists(), f"{pyc}: no bytecode for {source}"
         assert pyc.stat().st_mtime >= source.stat().st_mtime
-    hv = ROOT / "hvdtrain" / "cli.py"
-    assert Path(importlib.util.cache_from_source(str(hv))).exists()
