@@ -379,9 +379,12 @@ def test_a_launcher_with_sigterm_blocked_lets_its_ranks_finish(tmp_path, launche
         for pid in [p.pid for p in job]:  # as scancel does: every process of the job
             os.kill(pid, signal.SIGTERM)
         assert proc.wait(timeout=60) == 75  # the rank's own status: its 2 s handler finished
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    finally:  # the launcher's session: mpirun and a rank left by a failed assertion too
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
 
 
 def test_a_signal_before_the_run_starts_is_kept_for_its_first_step():
