@@ -16,12 +16,6 @@ from testhosts import SHARED_CORES_ENV, SshTestHosts
 # Every step >= 0.01 s (the --fault-slow-from drill): a floor on how fast an epoch can go, so that
 # what a test does after an epoch is recorded still lands while the job runs, on any machine.
 SLOW_STEPS = ["--fault-slow-from", "0:0.01"]
-# Elastic jobs run Gloo, where an idle negotiation costs syscalls: at hvdtrain's 1 ms cycle an
-# idle 2-rank Gloo job used 9-13 % of a core per rank (mostly system time) on the busy suite
-# machine, at 10 ms 2 %; and these ranks sleep in every step (SLOW_STEPS). Woken when work is
-# enqueued (patch 08), the cycle is only how often an idle rank negotiates: what is tested here
-# (membership, commits, rollbacks) does not depend on it.
-QUIET_CYCLE = ["--cycle-time-ms", "10"]
 
 
 def epochs_done(out):
@@ -81,8 +75,7 @@ def test_elastic_survives_a_lost_worker_and_takes_a_new_one(tmp_path, framework)
         discover.write_text(f"#!/bin/sh\ncat {available}\n")
         discover.chmod(0o755)
         out = tmp_path / "run"
-        argv = [str(BIN / "hvdtrain"), "launch", *QUIET_CYCLE, "--elastic", "--min-np", "1",
-                "--max-np", "3",
+        argv = [str(BIN / "hvdtrain"), "launch", "--elastic", "--min-np", "1", "--max-np", "3",
                 "-np", "3", "--host-discovery-script", str(discover), "--ssh-port",
                 str(hosts.port), "--ssh-identity-file", str(hosts.identity),
                 "--network-interfaces", "lo", "--", "hvdtrain", "train", "--elastic",
@@ -129,8 +122,7 @@ def elastic_local(tmp_path, framework, *train_args):
     discover = tmp_path / "discover.sh"
     discover.write_text("#!/bin/sh\necho localhost:2\n")
     discover.chmod(0o755)
-    return run([str(BIN / "hvdtrain"), "launch", *QUIET_CYCLE, "--elastic", "--min-np", "2",
-                "--max-np", "2",
+    return run([str(BIN / "hvdtrain"), "launch", "--elastic", "--min-np", "2", "--max-np", "2",
                 "-np", "2", "--host-discovery-script", str(discover), "--network-interfaces", "lo",
                 "--", "hvdtrain", "train", "--elastic", "--framework", framework, "--dataset",
                 "digits", "--no-progress", "--output-dir", str(tmp_path / "run"), *train_args],
@@ -209,8 +201,7 @@ def test_keras_elastic_grows_from_two_workers_to_three_on_this_host(tmp_path):
     discover.write_text(f"#!/bin/sh\ncat {available}\n")
     discover.chmod(0o755)
     out = tmp_path / "run"
-    argv = [str(BIN / "hvdtrain"), "launch", *QUIET_CYCLE, "--elastic", "--min-np", "2",
-            "--max-np", "3",
+    argv = [str(BIN / "hvdtrain"), "launch", "--elastic", "--min-np", "2", "--max-np", "3",
             "-np", "2", "--host-discovery-script", str(discover), "--network-interfaces", "lo",
             "--", "hvdtrain", "train", "--elastic", "--framework", "keras", "--dataset",
             "digits", "--epochs", str(EPOCHS_GROWING), "--batch-size", "8", "--no-progress",
