@@ -37,14 +37,6 @@ STOP = "stop"  # the file that ends every rank's loop
 # needs, read once at hvd.init()): its writer thread polls a core while the pool is idle; the
 # scripts that count all-reduces on the timeline get a pool of their own with it.
 POOL_ENV = {"PYTHONUNBUFFERED": "1"}
-# Horovod settings a pool's ranks start with unless its environment sets them (read once, at the
-# first request's hvd.init()). An idle pool's ranks negotiate every cycle: at hvdtrain's 1 ms that
-# took 1.4 s of CPU per rank in 40 s (3.5 % of a core, mostly sys: MPI waits that yield) on the
-# busy suite machine, at 20 ms 0.2 s; a pool idles through every launch test of tests/parallel.
-# With the thread woken when work is enqueued (patch 08) the cycle is only how often an idle rank
-# negotiates, so requests run as fast; set here too, so that a first request of plain Horovod
-# (no hvdtrain rule) starts the pool with it.
-POOL_HOROVOD_DEFAULTS = {"HOROVOD_CYCLE_TIME": "20", "HOROVOD_CYCLE_WAKE": "1"}
 TIMELINE_ENV = {"HOROVOD_TIMELINE": "DYNAMIC"}
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 
@@ -221,8 +213,7 @@ class RankPool:
         self._log = open(self._dir / "launcher.log", "wb")
         cmd = [*self.argv, sys.executable, str(Path(__file__).resolve()), str(self._dir),
                str(os.getpid())]
-        self.proc = subprocess.Popen(cmd, env={**POOL_HOROVOD_DEFAULTS, **self.env, **POOL_ENV},
-                                     stdout=self._log,
+        self.proc = subprocess.Popen(cmd, env={**self.env, **POOL_ENV}, stdout=self._log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True)
 
