@@ -53,6 +53,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from hvdtrain.launch import procfs
+from hvdtrain.launch.sigmask import horovodrun_runs_mpirun, mpirun_keeping_sigterm_blocked
 from hvdtrain.launch.procfs import catches  # signals' own: tests hold a signal through it
 
 LAUNCH_ID_VAR = "HVDTRAIN_LAUNCH_ID"
@@ -195,53 +196,6 @@ def ssh_argv(host: str, command: list[str], ssh_port: int | None = None,
         argv += ["-i", str(ssh_identity_file)]
     return argv + [host, shlex.join(command)]
 
-
-def mpirun_keeping_sigterm_blocked(env: Mapping[str, str]) -> tuple[dict[str, str], str | None]:
-    """``env`` with a folder first on ``PATH`` whose ``mpirun`` blocks SIGTERM, then runs the
-    real one (found on ``env``'s ``PATH``) as ``mpirun`` with the same arguments; and that
-    folder (None, ``env`` unchanged, where no ``mpirun`` is found).
-
-    ``horovodrun`` runs ``/bin/sh -c "mpirun ..."``, and a POSIX shell (dash) clears the blocked
-    signal mask it inherits, so a mask set on ``horovodrun`` never reached its ``mpirun``: that
-    ``mpirun`` answered a ``scancel``'s SIGTERM by killing the ranks a second later
-    (``odls_base_sigkill_timeout``). Open MPI unblocks every signal in the ranks it starts.
-    The folder is also on the ranks' ``PATH`` (``horovodrun`` exports it), where it does
-    nothing but run the same ``mpirun``."""
-    real = shutil.which("mpirun", path=env.get("PATH"))
-    if real is None:
-        return dict(env), None
-    import tempfile
-    folder = tempfile.mkdtemp(prefix="hvdtrain-mpirun-")
-    shim = Path(folder) / "mpirun"
-    shim.write_text(f"#!{sys.executable} -S\n"
-                    "# hvdtrain launch: mpirun with SIGTERM blocked (hvdtrain.launch.signals)\n"
-                    "import os, signal, sys\n"
-                    "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})\n"
-                    f"os.execv({real!r}, ['mpirun'] + sys.argv[1:])\n")
-    shim.chmod(0o755)
-    path = env.get("PATH", "")
-    return {**env, "PATH": f"{folder}{os.pathsep}{path}" if path else folder}, folder
-
-
-def horovodrun_runs_mpirun(argv: list[str], env: Mapping[str, str],
-                           built_with_mpi: bool | None = None) -> bool:
-    """Whether ``horovodrun`` with ``argv`` starts its ranks with ``mpirun``, as Horovod 0.28.1
-    decides (``horovod.runner.launch.run_controller``): not with ``--gloo``, ``--jsrun`` or an
-    elastic job (``--host-discovery-script``); with ``--mpi``; otherwise when Horovod was built
-    with MPI (``built_with_mpi``, default :func:`hvdtrain.launch.tuning.horovod_built_with_mpi`;
-    unknown counts as built with it), unless this is an LSF job (``LSB_JOBID``) with ``jsrun``
-    on ``PATH``, where it uses jsrun. A Horovod built without MPI falls back to Gloo."""
-    flags = set(argv)
-    if {"--gloo", "--jsrun", "--host-discovery-script"} & flags:
-        return False
-    if "--mpi" in flags:
-        return True
-    if built_with_mpi is None:
-        from hvdtrain.launch.tuning import horovod_built_with_mpi
-        built_with_mpi = horovod_built_with_mpi()
-    if built_with_mpi is False:
-        return False
-    return not ("LSB_JOBID" in env and shutil.which("jsrun", path=env.get("PATH")))
 
 class RankSignals:
     """Runs a launcher and hands SIGTERM/SIGUSR1/SIGINT to its ranks (see the module docstring).
