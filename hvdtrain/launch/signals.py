@@ -225,6 +225,7 @@ class RankSignals:
         self.hosts, self.ssh_port, self.ssh_identity_file = hosts, ssh_port, ssh_identity_file
         self.proc: subprocess.Popen | None = None
         self.delivered: list[tuple[str, int]] = []  # (signal name, local ranks signalled)
+        self.interrupted = False  # Ctrl-C came: the job never counts as a success
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         # mpirun (also under horovodrun without --gloo or --elastic) answers SIGTERM by handing
@@ -302,6 +303,7 @@ class RankSignals:
         while self.proc is None:  # came while the launcher was being started
             time.sleep(0.01)
         print("hvdtrain: SIGINT: stopping the job", file=sys.stderr, flush=True)
+        self.interrupted = True
         self._to_group(signal.SIGINT)
         if self.launcher != "srun":
             self._to_ranks(signal.SIGINT, 0.0)
@@ -367,7 +369,9 @@ class RankSignals:
             code = self.proc.wait()
             for thread in self._threads:  # a delivery under way finishes (and says so)
                 thread.join(timeout=self.hold_s + 35)
-            return code
+            # horovodrun --gloo may end with 0 at once on SIGINT, before its ranks report
+            # (seen once in a clean-clone run): a job stopped by Ctrl-C did not succeed.
+            return 130 if self.interrupted and code == 0 else code
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
