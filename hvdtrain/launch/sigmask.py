@@ -1,5 +1,6 @@
 """Which launcher of ``hvdtrain launch`` starts with SIGTERM blocked, and how the block reaches
-the ``mpirun`` that ``horovodrun`` runs (:class:`hvdtrain.launch.signals.RankSignals` uses both).
+the ``mpirun`` that ``horovodrun`` runs (:func:`blocks_sigterm` and :func:`launcher_start`, used
+by :class:`hvdtrain.launch.signals.RankSignals`).
 
 Open MPI's ``mpirun`` answers a SIGTERM by killing the ranks a second later
 (``odls_base_sigkill_timeout``), and ``scancel`` signals every process of the job; started with
@@ -9,10 +10,15 @@ starts. Other launchers hand a blocked mask on to the ranks through a shell that
 """
 from __future__ import annotations
 
+import glob
+import importlib.util
+import mmap
 import os
 import shutil
+import signal
 import sys
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 
@@ -30,7 +36,6 @@ def mpirun_keeping_sigterm_blocked(env: Mapping[str, str]) -> tuple[dict[str, st
     real = shutil.which("mpirun", path=env.get("PATH"))
     if real is None:
         return dict(env), None
-    import tempfile
     folder = tempfile.mkdtemp(prefix="hvdtrain-mpirun-")
     shim = Path(folder) / "mpirun"
     shim.write_text(f"#!{sys.executable} -S\n"
@@ -48,7 +53,7 @@ def horovodrun_runs_mpirun(argv: list[str], env: Mapping[str, str],
     """Whether ``horovodrun`` with ``argv`` starts its ranks with ``mpirun``, as Horovod 0.28.1
     decides (``horovod.runner.launch.run_controller``): not with ``--gloo``, ``--jsrun`` or an
     elastic job (``--host-discovery-script``); with ``--mpi``; otherwise when Horovod was built
-    with MPI (``built_with_mpi``, default :func:`hvdtrain.launch.tuning.horovod_built_with_mpi`;
+    with MPI (``built_with_mpi``, default :func:`horovod_built_with_mpi`;
     unknown counts as built with it), unless this is an LSF job (``LSB_JOBID``) with ``jsrun``
     on ``PATH``, where it uses jsrun. A Horovod built without MPI falls back to Gloo."""
     flags = set(argv)
@@ -57,8 +62,61 @@ def horovodrun_runs_mpirun(argv: list[str], env: Mapping[str, str],
     if "--mpi" in flags:
         return True
     if built_with_mpi is None:
-        from hvdtrain.launch.tuning import horovod_built_with_mpi
         built_with_mpi = horovod_built_with_mpi()
     if built_with_mpi is False:
         return False
     return not ("LSB_JOBID" in env and shutil.which("jsrun", path=env.get("PATH")))
+
+
+def horovod_built_with_mpi() -> bool | None:
+    """Whether the installed Horovod was built with MPI, read from its framework extensions'
+    files without loading them (loading one imports its framework: ``horovod.common.util
+    .mpi_built()`` takes about 1 s in a new process): an extension built with MPI links
+    ``libmpi.so`` (Open MPI's or MPICH's), a Gloo-only build (``pip install horovod`` where no
+    MPI was found) does not. None where Horovod or its extensions are missing. Imports no
+    framework."""
+    spec = importlib.util.find_spec("horovod")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    found = None
+    for location in spec.submodule_search_locations:
+        for path in sorted(glob.glob(os.path.join(location, "*", "mpi_lib*.so"))):
+            try:
+                with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                    if m.find(b"libmpi.so") >= 0:  # a DT_NEEDED entry, near the start
+                        return True
+                found = False
+            except (OSError, ValueError):
+                continue
+    return found
+
+
+def blocks_sigterm(argv: list[str], launcher: str, env: Mapping[str, str]) -> bool:
+    """Whether ``hvdtrain launch`` starts ``launcher`` (``argv``) with SIGTERM blocked: ``mpirun``
+    always; ``horovodrun`` where it runs ``mpirun`` (:func:`horovodrun_runs_mpirun`); never
+    ``srun`` (which hands signals to its tasks) or a Gloo or jsrun launch."""
+    return launcher == "mpirun" or (launcher == "horovodrun" and horovodrun_runs_mpirun(argv, env))
+
+
+def launcher_start(launcher: str, blocked: bool, env: Mapping[str, str]
+                   ) -> tuple[dict[str, str], Callable[[], None] | None, str | None]:
+    """How to start ``launcher``: its environment, the ``preexec_fn`` that blocks SIGTERM (None
+    where nothing is blocked) and a folder to remove once it has ended (or None).
+
+    ``horovodrun`` becomes ``/bin/sh -c 'mpirun ...'``: it gets SIGTERM ignored as well, which
+    the shell keeps (POSIX: ignored on entry), so the shell outlives a ``scancel``'s SIGTERM and
+    reports ``mpirun``'s status, and its ``mpirun`` gets the block from
+    :func:`mpirun_keeping_sigterm_blocked`, since the shell may clear the mask."""
+    if not blocked:
+        return dict(env), None, None
+    folder = None
+    ignore = launcher == "horovodrun"
+    if ignore:
+        env, folder = mpirun_keeping_sigterm_blocked(env)
+
+    def child() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        if ignore:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    return dict(env), child, folder

@@ -53,7 +53,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from hvdtrain.launch import procfs
-from hvdtrain.launch.sigmask import horovodrun_runs_mpirun, mpirun_keeping_sigterm_blocked
+from hvdtrain.launch import sigmask
 from hvdtrain.launch.procfs import catches  # signals' own: tests hold a signal through it
 
 LAUNCH_ID_VAR = "HVDTRAIN_LAUNCH_ID"
@@ -228,16 +228,10 @@ class RankSignals:
         self.interrupted = False  # Ctrl-C came: the job never counts as a success
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
-        # mpirun (also under horovodrun without --gloo or --elastic) answers SIGTERM by handing
-        # it to the ranks and SIGKILLing them 1 s later (odls_base_sigkill_timeout), before a
-        # step and its checkpoint are done; and scancel signals every process of the job, mpirun
-        # included. Started with SIGTERM blocked, mpirun never acts on it (the ranks get it from
-        # the sender or from here): Open MPI unblocks every signal in the ranks it starts.
-        # Only where the ranks are mpirun's: Horovod's own Gloo launcher (--gloo, elastic, a
-        # Horovod built without MPI) and jsrun hand the blocked mask on to the ranks, where a
-        # command other than hvdtrain train would never see a SIGTERM.
-        self.blocks_sigterm = launcher == "mpirun" or (
-            launcher == "horovodrun" and horovodrun_runs_mpirun(argv, self.env))
+        # mpirun answers SIGTERM by killing the ranks a second later, and scancel signals every
+        # process of the job: where the ranks are mpirun's it starts with SIGTERM blocked
+        # (hvdtrain.launch.sigmask says which launches, and how under horovodrun).
+        self.blocks_sigterm = sigmask.blocks_sigterm(argv, launcher, self.env)
 
     def _remote_hosts(self) -> list[str]:
         hosts = self.hosts() if callable(self.hosts) else self.hosts
@@ -337,25 +331,13 @@ class RankSignals:
 
     def start(self) -> subprocess.Popen:
         """Start the launcher in its own session (an MPI one with SIGTERM blocked; under
-        ``horovodrun``, its ``mpirun`` through :func:`mpirun_keeping_sigterm_blocked`)."""
-        blocked = {signal.SIGTERM} if self.blocks_sigterm else set()
-        env, ignore = self.env, False
-        if blocked and self.launcher == "horovodrun":
-            # horovodrun becomes "/bin/sh -c 'mpirun ...'": the shell clears the mask but keeps
-            # a signal ignored on entry ignored (POSIX), so it outlives a scancel's SIGTERM and
-            # reports mpirun's status; mpirun gets its mask from the shim.
-            ignore = True
-            env, shim_dir = mpirun_keeping_sigterm_blocked(env)
-            if shim_dir is not None:  # removed with this object, or at exit
-                weakref.finalize(self, shutil.rmtree, shim_dir, ignore_errors=True)
-
-        def child() -> None:
-            signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
-            if ignore:
-                signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
+        ``horovodrun``, its ``mpirun``: :func:`hvdtrain.launch.sigmask.launcher_start`)."""
+        env, preexec, shim_dir = sigmask.launcher_start(self.launcher, self.blocks_sigterm,
+                                                        self.env)
+        if shim_dir is not None:  # removed with this object, or at exit
+            weakref.finalize(self, shutil.rmtree, shim_dir, ignore_errors=True)
         self.proc = subprocess.Popen(self.argv, env=env, start_new_session=True,
-                                     preexec_fn=child if blocked else None)
+                                     preexec_fn=preexec)
         return self.proc
 
     def run(self) -> int:

@@ -230,32 +230,6 @@ def horovod_can_wake() -> bool:
     return bool(getattr(horovod.common.basics, "CYCLE_WAKE", False))
 
 
-def horovod_built_with_mpi() -> bool | None:
-    """Whether the installed Horovod was built with MPI, read from its framework extensions'
-    files without loading them (loading one imports its framework: ``horovod.common.util
-    .mpi_built()`` takes about 1 s in a new process): an extension built with MPI links
-    ``libmpi.so`` (Open MPI's or MPICH's), a Gloo-only build (``pip install horovod`` where no
-    MPI was found) does not. None where Horovod or its extensions are missing. Imports no
-    framework."""
-    import glob
-    import importlib.util
-    import mmap
-    spec = importlib.util.find_spec("horovod")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    found = None
-    for location in spec.submodule_search_locations:
-        for path in sorted(glob.glob(os.path.join(location, "*", "mpi_lib*.so"))):
-            try:
-                with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                    if m.find(b"libmpi.so") >= 0:  # a DT_NEEDED entry, near the start
-                        return True
-                found = False
-            except (OSError, ValueError):
-                continue
-    return found
-
-
 # How Horovod reads an integer variable (strtol): the leading integer, 0 where there is none.
 _HOROVOD_INT = re.compile(r"\s*([+-]?[0-9]+)")
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from hvdtrain.launch import signals
+from hvdtrain.launch import sigmask, signals
 from hvdtrain.launch.plan import PlanError, plan
 
 
@@ -325,15 +325,14 @@ def test_sigterm_is_blocked_only_where_horovodrun_runs_mpirun(tmp_path, argv, en
         jsrun.write_text("#!/bin/sh\n")
         jsrun.chmod(0o755)
         env = {**env, "PATH": str(tmp_path)}
-    assert signals.horovodrun_runs_mpirun(argv, env, built_with_mpi=built) is mpirun
+    assert sigmask.horovodrun_runs_mpirun(argv, env, built_with_mpi=built) is mpirun
 
 
 def test_the_build_is_read_from_horovods_extension_files(tmp_path, monkeypatch):
-    """hvdtrain.launch.tuning.horovod_built_with_mpi reads the extensions' files: this
+    """hvdtrain.launch.sigmask.horovod_built_with_mpi reads the extensions' files: this
     environment's Horovod (built with MPI by setup.sh) says yes; a stand-in package whose
     extension links no libmpi says no; none at all is unknown."""
-    from hvdtrain.launch import tuning
-    assert tuning.horovod_built_with_mpi() is True
+    assert sigmask.horovod_built_with_mpi() is True
     fake = tmp_path / "site" / "horovod"
     (fake / "torch").mkdir(parents=True)
     (fake / "__init__.py").write_text("")
@@ -341,9 +340,9 @@ def test_the_build_is_read_from_horovods_extension_files(tmp_path, monkeypatch):
         b"\x7fELF" + b"libgloo.so\0libc.so.6\0" * 100)
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     monkeypatch.delitem(sys.modules, "horovod", raising=False)
-    assert tuning.horovod_built_with_mpi() is False
+    assert sigmask.horovod_built_with_mpi() is False
     (fake / "torch" / "mpi_lib_v2.cpython-311-x86_64-linux-gnu.so").unlink()
-    assert tuning.horovod_built_with_mpi() is None
+    assert sigmask.horovod_built_with_mpi() is None
 
 
 @pytest.mark.parametrize("launcher", ["mpirun", "horovodrun"])
