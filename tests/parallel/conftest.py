@@ -1,6 +1,7 @@
 """The rank pools tests/parallel shares (tests/parallel/rankpool.py): a live 2-rank job per
 environment (the PyTorch pool, a Keras pool per backend), started by the first test that asks
-for it and kept until the last test of tests/parallel. An idle pool costs about 0.05 of a core.
+for it and kept until the last test that uses a pool: the modules with such tests run first
+(`pytest_collection_modifyitems`). An idle pool's rank costs about 0.05 of a core.
 A pool with Horovod's dynamic timeline ends with the test that asked for it: its rank 0's
 timeline writer spins on sched_yield (Horovod's TimelineWriter::WriterLoop), seen taking 0.66
 of a core, mostly system time, through the launched jobs of the tests after it (#47).
@@ -82,10 +83,65 @@ def pools(tmp_path_factory) -> Pools:
     _SESSION_POOLS.remove(pools)
 
 
+# The fixtures that hand a test a pool; a test needs the pools when one of them is in the
+# fixtures it asks for (directly or through other fixtures), not counting the autouse
+# `_end_timeline_pools`, which every test of this folder has.
+POOL_FIXTURES = frozenset({"pools", "ranks", "keras_ranks", "train_here"})
+_LAST_POOL_TEST: list[str] = []  # node id of the last test of the session that needs the pools
+
+
+def _needs_pools(item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    seen: set[str] = set()
+    todo = [n for n in info.initialnames if n != "_end_timeline_pools"]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if name in POOL_FIXTURES:
+            return True
+        for fixturedef in info.name2fixturedefs.get(name, ())[-1:]:
+            todo.extend(a for a in fixturedef.argnames if a != "request")
+    return False
+
+
+def _in_this_folder(item) -> bool:
+    return HERE in Path(str(item.path)).resolve().parents
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    """The modules of tests/parallel whose tests use the rank pools run first, the modules that
+    only launch jobs of their own after them (each module stays whole, in its order, so its
+    module-scoped jobs are made once), and the pools end after the last test that uses them: an
+    idle pool's ranks negotiate every cycle (the 3 pools, 6 ranks, took 0.32 of a core while both
+    cores were kept busy), which the launch-only modules (about 10 minutes: elastic, signals,
+    preflight...) paid for in full (#47)."""
+    ours = [i for i, item in enumerate(items) if _in_this_folder(item)]
+    if not ours:
+        return
+    block = items[ours[0]:ours[-1] + 1]
+    if len(block) != len(ours):  # tests of this folder not in one run: leave the order alone
+        return
+    modules: dict[Path, list] = {}
+    for item in block:
+        modules.setdefault(Path(str(item.path)), []).append(item)
+    uses = {path: any(_needs_pools(i) for i in its) for path, its in modules.items()}
+    ordered = [i for path, its in modules.items() if uses[path] for i in its]
+    ordered += [i for path, its in modules.items() if not uses[path] for i in its]
+    items[ours[0]:ours[-1] + 1] = ordered
+    _LAST_POOL_TEST[:] = [i.nodeid for i in ordered if _needs_pools(i)][-1:]
+
+
 def pytest_runtest_teardown(item, nextitem):
-    """After the last test of tests/parallel, end its pools: tests/spark, which follows in the
-    same session (scripts/test.sh), would otherwise share the cores with their idle ranks."""
-    if nextitem is None or HERE not in Path(str(nextitem.path)).resolve().parents:
+    """After the last test that uses the pools, and after the last test of tests/parallel, end
+    the pools: the tests that follow (launches of their own, then tests/spark in the same
+    session, scripts/test.sh) would otherwise share the cores with their idle ranks. A later
+    test that asks for a pool starts it again."""
+    if (item.nodeid in _LAST_POOL_TEST or nextitem is None or not _in_this_folder(nextitem)):
         for pools in _SESSION_POOLS:
             pools.close()
 
