@@ -12,7 +12,8 @@
 # Nothing runs at once that shares a port, a cluster or a test host: tests/parallel alone starts
 # sshd test hosts, tests/spark alone a Spark cluster, tests/ray alone a Ray cluster (its fixed
 # ports 26380-26949, below the kernel's ephemeral range), and Slurm picks free ports of its own.
-# Both sessions make the engines' horovodrun MNIST reference (tests/conftest.py) if they need it.
+# The engines' horovodrun MNIST reference (tests/conftest.py) is made once, by the first session
+# that needs it, in HVDTRAIN_TEST_SHARED (under a lock); the other reuses it.
 #
 # The side session writes its output to a file, printed after both end; the exit status is
 # non-zero when either session failed.
@@ -42,6 +43,9 @@ done
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/hvdtrain-test.XXXXXX")
 side_log=$work/side.log
+# What one session makes and the other can reuse (tests/conftest.py: the engines' MNIST reference).
+export HVDTRAIN_TEST_SHARED=$work/shared
+mkdir -p "$HVDTRAIN_TEST_SHARED"
 # Its own temporary folder and no shared cache: two pytest sessions never write the same file.
 "$PY" -m pytest "${SIDE[@]}" "${BESIDE[@]}" --basetemp "$work/tmp" -p no:cacheprovider "$@" \
     >"$side_log" 2>&1 &
