@@ -143,7 +143,10 @@ def drill(env, tmp_path, reference, framework, sig, requeue):
     return ref, out, job, time.monotonic() - signalled
 
 
-@pytest.mark.parametrize("framework", ["torch", "keras"])
+# PyTorch only (#47): the requeue is shared code (hvdtrain.run.preempt.requeue, rank 0, either
+# trainer); Keras's stop on SIGUSR1 mid-epoch and its resume to the same weights are asserted by
+# tests/parallel/test_preemption.py (Keras gets SIGUSR1 there). The Keras drill took 99 s.
+@pytest.mark.parametrize("framework", ["torch"])
 def test_preemption_drill_usr1_requeues_and_resumes_to_the_same_weights(slurm_cluster, tmp_path,
                                                                         reference, framework):
     ref, out, job, seconds = drill(slurm_cluster, tmp_path, reference, framework, "USR1",
