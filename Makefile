@@ -30,8 +30,8 @@ demo: setup
 	hvdtrain report runs/mnist-torch runs/mnist-keras runs/mnist-keras-torch
 
 # tests/unit/test_docs.py builds the documentation (as `make docs` does), so test needs its tools.
-# scripts/test.sh runs tests/unit, slurm, container, gpu and tests/parallel/test_benchmarks.py
-# beside tests/parallel, spark and ray.
+# scripts/test.sh runs tests/unit, slurm, container, gpu, ray and a few files of tests/parallel
+# (its BESIDE list) beside the rest of tests/parallel and tests/spark.
 test: setup $(DOCS_DEPS)
 	bash scripts/test.sh $(PY)
 

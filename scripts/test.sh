@@ -7,7 +7,7 @@
 # imports and their shutdown run one process at a time), about a fifth of the serial suite's time
 # on a 2-core machine. So the suites with the most waiting (tests/unit: short processes;
 # tests/slurm: the scheduler; tests/container: image builds; tests/gpu: skipped without a GPU)
-# run beside tests/parallel, then tests/ray and tests/parallel/test_benchmarks.py (BESIDE), to
+# run beside tests/parallel, then tests/ray and the files of tests/parallel in BESIDE, to
 # even out the two sessions' length; tests/spark runs after tests/parallel in the main session.
 # Nothing runs at once that shares a port, a cluster or a test host: tests/parallel alone starts
 # sshd test hosts, tests/spark alone a Spark cluster, tests/ray alone a Ray cluster (its fixed
@@ -31,7 +31,10 @@ SIDE=(tests/unit tests/slurm tests/container tests/gpu tests/ray)
 # sessions' length (main 48 min, side 26 in the clean-clone run of 5458830): they start no test
 # host, use no rank pool and take no fixed port (horovodrun, mpirun and torchrun --standalone on
 # free ports).
-BESIDE=(tests/parallel/test_benchmarks.py)
+# test_log_output, test_horovod_settings_launch and test_console moved here too (#47): in the
+# clean-clone run of 1bc381a main took 30:33, the side 27:17; about 75 s of launches between them.
+BESIDE=(tests/parallel/test_benchmarks.py tests/parallel/test_log_output.py
+        tests/parallel/test_horovod_settings_launch.py tests/parallel/test_console.py)
 for dir in tests/*/; do  # a new suite must be placed in one of the two, or it would never run
     dir=${dir%/}
     [[ $(basename "$dir") == [_.]* ]] && continue  # __pycache__
