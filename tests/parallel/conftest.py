@@ -83,29 +83,14 @@ def pools(tmp_path_factory) -> Pools:
     _SESSION_POOLS.remove(pools)
 
 
-# The fixtures that hand a test a pool; a test needs the pools when one of them is in the
-# fixtures it asks for (directly or through other fixtures), not counting the autouse
-# `_end_timeline_pools`, which every test of this folder has.
+# The fixtures that hand a test a pool: a test needs the pools when one of them is among the
+# fixtures it asks for, directly or through other fixtures (pytest's closure, item.fixturenames).
 POOL_FIXTURES = frozenset({"pools", "ranks", "keras_ranks", "train_here"})
 _LAST_POOL_TEST: list[str] = []  # node id of the last test of the session that needs the pools
 
 
 def _needs_pools(item) -> bool:
-    info = getattr(item, "_fixtureinfo", None)
-    if info is None:
-        return False
-    seen: set[str] = set()
-    todo = [n for n in info.initialnames if n != "_end_timeline_pools"]
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        if name in POOL_FIXTURES:
-            return True
-        for fixturedef in info.name2fixturedefs.get(name, ())[-1:]:
-            todo.extend(a for a in fixturedef.argnames if a != "request")
-    return False
+    return not POOL_FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
 
 
 def _in_this_folder(item) -> bool:
@@ -129,11 +114,12 @@ def pytest_collection_modifyitems(session, config, items):
     modules: dict[Path, list] = {}
     for item in block:
         modules.setdefault(Path(str(item.path)), []).append(item)
-    uses = {path: any(_needs_pools(i) for i in its) for path, its in modules.items()}
+    needs = {item.nodeid for item in block if _needs_pools(item)}
+    uses = {path: any(i.nodeid in needs for i in its) for path, its in modules.items()}
     ordered = [i for path, its in modules.items() if uses[path] for i in its]
     ordered += [i for path, its in modules.items() if not uses[path] for i in its]
     items[ours[0]:ours[-1] + 1] = ordered
-    _LAST_POOL_TEST[:] = [i.nodeid for i in ordered if _needs_pools(i)][-1:]
+    _LAST_POOL_TEST[:] = [i.nodeid for i in ordered if i.nodeid in needs][-1:]
 
 
 def pytest_runtest_teardown(item, nextitem):
@@ -147,10 +133,12 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 @pytest.fixture(autouse=True)
-def _end_timeline_pools(pools):
-    """After each test of tests/parallel: no timeline pool outlives its test."""
+def _end_timeline_pools():
+    """After each test of tests/parallel: no timeline pool outlives its test. (It asks for no
+    pool itself, so that only the tests that use one count as needing the pools.)"""
     yield
-    pools.close_timeline()
+    for pools in _SESSION_POOLS:
+        pools.close_timeline()
 
 
 @pytest.fixture
