@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -78,6 +79,38 @@ def test_doctor_on_this_machine_reports_a_usable_build():
     assert "TensorFlow, PyTorch" in proc.stdout and "MPI, Gloo" in proc.stdout
     assert "Open MPI" in proc.stdout and "status:             ok" in proc.stdout
 
+
+
+BUILT_FACTS = r"""
+import json
+import horovod.common.util as util
+facts = ("mpi", "gloo", "nccl", "ddl", "ccl")
+library = {f: util._torch_library_built(f, False) for f in facts}
+checks = {f: getattr(util, f + "_built")() for f in facts}
+# The library not where HorovodBasics looks: no answer, and the check asks the extension instead.
+where = util.get_extension_full_path
+util.get_extension_full_path = lambda *args: "/nonexistent/mpi_lib_v2.so"
+missing = util._torch_library_built("mpi", False)
+fallback = util._torch_library_first("mpi", lambda verbose=False: "imported")()
+util.get_extension_full_path = where
+import horovod.torch as ext
+own = {f: getattr(ext, f + "_built")() for f in facts}
+print(json.dumps({"library": library, "checks": checks, "own": own, "missing": missing,
+                  "fallback": fallback}))
+"""
+
+
+def test_horovodruns_build_checks_read_the_torch_library_and_agree_with_the_extension():
+    """Patch 10 (scripts/horovod_patches): the *_built() checks every horovodrun launch runs answer
+    from PyTorch's extension library, without importing torch, what the extension itself answers;
+    where the library cannot answer, they fall back to importing the extension."""
+    proc = subprocess.run([sys.executable, "-c", BUILT_FACTS], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.splitlines()[-1])
+    assert seen["library"] == seen["checks"] == seen["own"]
+    assert seen["own"]["mpi"] is True and seen["own"]["gloo"] is True  # this machine's build
+    assert seen["missing"] is None and seen["fallback"] == "imported"
 
 def _fake_horovodrun(tmp_path, text):
     """A horovodrun on PATH whose --check-build prints ``text``."""
