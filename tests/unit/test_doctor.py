@@ -80,9 +80,9 @@ def test_doctor_on_this_machine_reports_a_usable_build():
     assert "Open MPI" in proc.stdout and "status:             ok" in proc.stdout
 
 
-
 BUILT_FACTS = r"""
 import json
+import sys
 import horovod.common.util as util
 facts = ("mpi", "gloo", "nccl", "ddl", "ccl")
 library = {f: util._torch_library_built(f, False) for f in facts}
@@ -95,22 +95,25 @@ fallback = util._torch_library_first("mpi", lambda verbose=False: "imported")()
 util.get_extension_full_path = where
 import horovod.torch as ext
 own = {f: getattr(ext, f + "_built")() for f in facts}
-print(json.dumps({"library": library, "checks": checks, "own": own, "missing": missing,
-                  "fallback": fallback}))
+with open(sys.argv[1], "w") as out:
+    json.dump({"library": library, "checks": checks, "own": own, "missing": missing,
+               "fallback": fallback}, out)
 """
 
 
-def test_horovodruns_build_checks_read_the_torch_library_and_agree_with_the_extension():
+def test_horovodruns_build_checks_read_the_torch_library_and_agree_with_the_extension(tmp_path):
     """Patch 10 (scripts/horovod_patches): the *_built() checks every horovodrun launch runs answer
     from PyTorch's extension library, without importing torch, what the extension itself answers;
     where the library cannot answer, they fall back to importing the extension."""
-    proc = subprocess.run([sys.executable, "-c", BUILT_FACTS], capture_output=True, text=True,
-                          timeout=300)
+    facts = tmp_path / "facts.json"
+    proc = subprocess.run([sys.executable, "-c", BUILT_FACTS, str(facts)], capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    seen = json.loads(proc.stdout.splitlines()[-1])
+    seen = json.loads(facts.read_text())
     assert seen["library"] == seen["checks"] == seen["own"]
     assert seen["own"]["mpi"] is True and seen["own"]["gloo"] is True  # this machine's build
     assert seen["missing"] is None and seen["fallback"] == "imported"
+
 
 def _fake_horovodrun(tmp_path, text):
     """A horovodrun on PATH whose --check-build prints ``text``."""
