@@ -289,10 +289,15 @@ class RankPool:
             lines.append(f"--- launcher\n{_tail(log.read_text(errors='replace'), 2000)}")
         return "\n".join(lines)
 
-    def close(self, timeout: float = 60) -> None:
-        """Ask every rank to stop and wait for the launcher (killed after ``timeout`` s)."""
+    def stop(self) -> None:
+        """Ask every rank to stop, without waiting (:meth:`close` waits)."""
         if self.alive:
             (self._dir / STOP).touch()
+
+    def close(self, timeout: float = 60) -> None:
+        """Ask every rank to stop and wait for the launcher (killed after ``timeout`` s)."""
+        self.stop()
+        if self.alive:
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
