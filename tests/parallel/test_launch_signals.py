@@ -41,7 +41,9 @@ def term(*_):
 if "--trap" in sys.argv:
     signal.signal(signal.SIGTERM, term)
 (out / f"env-{rank}.json").write_text(json.dumps(dict(os.environ)))
-(out / f"pid-{rank}").write_text(str(os.getpid()))
+# Written whole, then renamed: the test reads it as soon as it exists.
+(out / f"pid-{rank}.tmp").write_text(str(os.getpid()))
+os.replace(out / f"pid-{rank}.tmp", out / f"pid-{rank}")
 time.sleep(float(sys.argv[2]))
 (out / f"slept-{rank}").write_text("slept")
 """

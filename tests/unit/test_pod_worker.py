@@ -22,15 +22,18 @@ RANK = textwrap.dedent("""
     import os, signal, sys, time
     from pathlib import Path
     out, name = Path(sys.argv[1]), sys.argv[2]
+    def put(what):  # written whole, then renamed: the test reads a file as soon as it exists
+        (out / f"{name}.{what}.tmp").write_text(str(os.getpid()))
+        os.replace(out / f"{name}.{what}.tmp", out / f"{name}.{what}")
     def stop(signum, frame):
-        (out / f"{name}.stopping").write_text(str(os.getpid()))
+        put("stopping")
         deadline = time.monotonic() + 60
         while not (out / "release").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        (out / f"{name}.checkpointed").write_text(str(os.getpid()))
+        put("checkpointed")
         sys.exit(75)
     signal.signal(signal.SIGTERM, stop)
-    (out / f"{name}.ready").write_text(str(os.getpid()))
+    put("ready")
     while True:
         signal.pause()
 """)
@@ -48,7 +51,8 @@ SSHD = textwrap.dedent("""
     subprocess.run([sys.executable, "-c", starter, rank, str(out)], env=env, check=True)
     def stop(signum, frame):
         done = all((out / f"{n}.checkpointed").exists() for n in "ab")
-        (out / "sshd-ended").write_text("after the ranks" if done else "before the ranks")
+        (out / "sshd-ended.tmp").write_text("after the ranks" if done else "before the ranks")
+        os.replace(out / "sshd-ended.tmp", out / "sshd-ended")
         sys.exit(255)
     signal.signal(signal.SIGTERM, stop)
     while True:
