@@ -33,7 +33,7 @@ SIDE=(tests/unit tests/slurm tests/container tests/gpu tests/ray)
 # free ports).
 # test_log_output, test_horovod_settings_launch and test_console moved here too (#47): in the
 # clean-clone run of 1bc381a main took 30:33, the side 27:17; about 75 s of launches between them.
-# test_launch_signals and test_horovod_elastic too (#47): in the clean-clone run of 4204c4c main
+# test_launch_signals and test_horovod_elastic too (#47): in the clean-clone run of ed6e029 main
 # took 21:15, the side 22:25 with the image's build stage made again (setup.sh had changed;
 # 464 s for tests/container instead of 273 s with it cached), so about 19:15 without; these two
 # files took 61 s of main.

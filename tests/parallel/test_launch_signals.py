@@ -41,9 +41,9 @@ def term(*_):
 if "--trap" in sys.argv:
     signal.signal(signal.SIGTERM, term)
 (out / f"env-{rank}.json").write_text(json.dumps(dict(os.environ)))
-# Written whole, then renamed: the test reads it as soon as it exists.
-(out / f"pid-{rank}.tmp").write_text(str(os.getpid()))
-os.replace(out / f"pid-{rank}.tmp", out / f"pid-{rank}")
+from hvdtrain.files import atomic_open
+with atomic_open(out / f"pid-{rank}", "w") as f:  # written whole: read as soon as it exists
+    f.write(str(os.getpid()))
 time.sleep(float(sys.argv[2]))
 (out / f"slept-{rank}").write_text("slept")
 """

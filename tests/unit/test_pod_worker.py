@@ -21,10 +21,11 @@ BIN = Path(sys.executable).parent  # the venv's console scripts (hvdtrain)
 RANK = textwrap.dedent("""
     import os, signal, sys, time
     from pathlib import Path
+    from hvdtrain.files import atomic_open
     out, name = Path(sys.argv[1]), sys.argv[2]
-    def put(what):  # written whole, then renamed: the test reads a file as soon as it exists
-        (out / f"{name}.{what}.tmp").write_text(str(os.getpid()))
-        os.replace(out / f"{name}.{what}.tmp", out / f"{name}.{what}")
+    def put(what):  # written whole (atomic_open): the test reads a file as soon as it exists
+        with atomic_open(out / f"{name}.{what}", "w") as f:
+            f.write(str(os.getpid()))
     def stop(signum, frame):
         put("stopping")
         deadline = time.monotonic() + 60
@@ -43,6 +44,7 @@ RANK = textwrap.dedent("""
 SSHD = textwrap.dedent("""
     import os, signal, subprocess, sys
     from pathlib import Path
+    from hvdtrain.files import atomic_open
     out, rank = Path(sys.argv[1]), sys.argv[2]
     env = {**os.environ, "OMPI_COMM_WORLD_RANK": "0"}
     subprocess.Popen([sys.executable, "-c", rank, str(out), "a"], env=env)
@@ -51,8 +53,8 @@ SSHD = textwrap.dedent("""
     subprocess.run([sys.executable, "-c", starter, rank, str(out)], env=env, check=True)
     def stop(signum, frame):
         done = all((out / f"{n}.checkpointed").exists() for n in "ab")
-        (out / "sshd-ended.tmp").write_text("after the ranks" if done else "before the ranks")
-        os.replace(out / "sshd-ended.tmp", out / "sshd-ended")
+        with atomic_open(out / "sshd-ended", "w") as f:
+            f.write("after the ranks" if done else "before the ranks")
         sys.exit(255)
     signal.signal(signal.SIGTERM, stop)
     while True:
