@@ -1,6 +1,7 @@
 """hvdtrain.torch under `horovodrun -np 2`: learning-rate handling (restored optimizers,
 schedulers, warmup), Adasum and fp16 compression, unequal data, the state broadcast's memory, and
-an exact resume inside the warmup with dropout (every rank's RNG restored)."""
+an exact resume inside the warmup with dropout (every rank's RNG restored), and a rank that waits
+for a collective without using a core."""
 import json
 
 import numpy as np
@@ -51,6 +52,16 @@ def test_adasum_trains_unscaled_and_refuses_linear(checks):
     a = checks["adasum"]
     assert a["lr"] == pytest.approx(0.01) and a["moved"] is True
     assert "use lr_scaling='none'" in a["linear_error"]
+
+
+def test_a_rank_waiting_for_a_collective_sleeps(checks):
+    # Horovod patch 11 (scripts/horovod_patches/11-torch-wait-blocks.patch): rank 0's thread sleeps
+    # in synchronize() until rank 1 joins. Before, it polled with sched_yield() and took its share
+    # of a core for the whole wait, from the ranks it waited for where they share cores.
+    w = checks["wait"][0]
+    assert checks["wait"][1] is None
+    assert w["wall"] >= 0.5, w  # rank 1 joined at least 1 s after rank 0 began to wait
+    assert w["cpu"] <= 0.05 * w["wall"], w
 
 
 def test_unequal_batch_counts_fail_on_every_rank(checks):

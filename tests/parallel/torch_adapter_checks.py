@@ -1,7 +1,7 @@
 """Checks of hvdtrain.torch's learning-rate handling and input checks on real ranks: a restored
 optimizer is scaled once, schedulers built before/after distribute(), warmup composed with a
-user's scheduler against schedule.lr_at, Adasum's default scaling, and unequal batch counts.
-Rank 0 writes what it saw as JSON; tests/parallel/test_torch_adapter.py asserts on it.
+user's scheduler against schedule.lr_at, Adasum's default scaling, unequal batch counts, and
+what a rank waiting for a collective costs. Rank 0 writes what it saw as JSON; tests/parallel/test_torch_adapter.py asserts on it.
 
 Launch::
 
@@ -10,6 +10,8 @@ Launch::
 import argparse
 import json
 import math
+import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -154,6 +156,28 @@ def iterable_without_length():
     return sum(1 for _ in ht.micro_batches(loader, 2))
 
 
+def a_wait_sleeps(rank, ready):
+    """Rank 0 waits in ``hvd.allreduce`` (``synchronize()`` on its handle) for rank 1, which joins
+    once rank 0 has written ``ready`` and 1 s more: {"wall": s, "cpu": s} of rank 0's waiting
+    thread over that call (``time.thread_time``: this thread only, not Horovod's background
+    thread). Horovod patch 11 makes it sleep until the collective is done; Horovod 0.28.1 polled
+    the handle with ``sched_yield()`` and used its share of a core for the whole wait."""
+    x = torch.ones(4)
+    hvd.allreduce(x, name="wait.first")  # the name negotiated once: the next call is a cache hit
+    if rank == 0:
+        with open(ready, "w"):
+            pass
+        wall, cpu = time.monotonic(), time.thread_time()
+        hvd.allreduce(x, name="wait.sleeps")
+        return {"wall": time.monotonic() - wall, "cpu": time.thread_time() - cpu}
+    deadline = time.monotonic() + 60
+    while not os.path.exists(ready) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(1.0)  # rank 0 is inside its wait by now
+    hvd.allreduce(x, name="wait.sleeps")
+    return None
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -165,7 +189,8 @@ def main() -> None:
               "warmup": warmup_with_user_scheduler(info.size),
               "adasum": adasum_defaults(),
               "unequal": hvd.allgather_object(unequal_batch_counts(info.rank)),
-              "iterable_micro_batches": iterable_without_length()}
+              "iterable_micro_batches": iterable_without_length(),
+              "wait": hvd.allgather_object(a_wait_sleeps(info.rank, args.out + ".ready"))}
     everyone = hvd.allgather_object(json.dumps(result, sort_keys=True))
     result["ranks_agree"] = len(set(everyone)) == 1
     if info.rank == 0:
