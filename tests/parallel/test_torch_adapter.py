@@ -59,7 +59,6 @@ def test_a_rank_waiting_for_a_collective_sleeps(checks):
     # in synchronize() until rank 1 joins. Before, it polled with sched_yield() and took its share
     # of a core for the whole wait, from the ranks it waited for where they share cores.
     w = checks["wait"][0]
-    assert checks["wait"][1] is None
     assert w["wall"] >= 0.5, w  # rank 1 joined at least 1 s after rank 0 began to wait
     assert w["cpu"] <= 0.05 * w["wall"], w
 

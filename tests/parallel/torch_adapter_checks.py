@@ -160,8 +160,9 @@ def a_wait_sleeps(rank, ready):
     """Rank 0 waits in ``hvd.allreduce`` (``synchronize()`` on its handle) for rank 1, which joins
     once rank 0 has written ``ready`` and 1 s more: {"wall": s, "cpu": s} of rank 0's waiting
     thread over that call (``time.thread_time``: this thread only, not Horovod's background
-    thread). Horovod patch 11 makes it sleep until the collective is done; Horovod 0.28.1 polled
-    the handle with ``sched_yield()`` and used its share of a core for the whole wait."""
+    thread); rank 1's own, for the same call, second. Horovod patch 11 makes it sleep until the
+    collective is done; Horovod 0.28.1 polled the handle with ``sched_yield()`` and used its share
+    of a core for the whole wait."""
     x = torch.ones(4)
     hvd.allreduce(x, name="wait.first")  # the name negotiated once: the next call is a cache hit
     if rank == 0:
@@ -174,8 +175,9 @@ def a_wait_sleeps(rank, ready):
     while not os.path.exists(ready) and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(1.0)  # rank 0 is inside its wait by now
+    wall, cpu = time.monotonic(), time.thread_time()
     hvd.allreduce(x, name="wait.sleeps")
-    return None
+    return {"wall": time.monotonic() - wall, "cpu": time.thread_time() - cpu}
 
 
 def main() -> None:
