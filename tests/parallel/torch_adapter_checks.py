@@ -157,12 +157,16 @@ def iterable_without_length():
 
 
 def a_wait_sleeps(rank, ready):
-    """Rank 0 waits in ``hvd.allreduce`` (``synchronize()`` on its handle) for rank 1, which joins
-    once rank 0 has written ``ready`` and 1 s more: {"wall": s, "cpu": s} of rank 0's waiting
-    thread over that call (``time.thread_time``: this thread only, not Horovod's background
-    thread); rank 1's own, for the same call, second. Horovod patch 11 makes it sleep until the
-    collective is done; Horovod 0.28.1 polled the handle with ``sched_yield()`` and used its share
-    of a core for the whole wait."""
+    """Rank 0 waits in ``hvd.allreduce`` (``synchronize()`` on its handle) for rank 1, which starts
+    a fixed amount of work (matrix products) once rank 0 has written ``ready``, then joins. Returns
+    {"wall": s, "cpu": s} of rank 0's waiting thread over that call (``time.thread_time``: this
+    thread only, not Horovod's background thread) and, from rank 1, {"work": s} of its work.
+    Horovod patch 11 makes the waiting thread sleep until the collective is done; Horovod 0.28.1
+    polled the handle with ``sched_yield()`` and used its share of a core for the whole wait.
+
+    Raises:
+        RuntimeError: on rank 1, ``ready`` did not appear within 120 s.
+    """
     x = torch.ones(4)
     hvd.allreduce(x, name="wait.first")  # the name negotiated once: the next call is a cache hit
     if rank == 0:
@@ -171,13 +175,17 @@ def a_wait_sleeps(rank, ready):
         wall, cpu = time.monotonic(), time.thread_time()
         hvd.allreduce(x, name="wait.sleeps")
         return {"wall": time.monotonic() - wall, "cpu": time.thread_time() - cpu}
-    deadline = time.monotonic() + 60
-    while not os.path.exists(ready) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 120
+    while not os.path.exists(ready):  # rank 0 is about to wait
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rank 0 did not write {ready} within 120 s")
         time.sleep(0.01)
-    time.sleep(1.0)  # rank 0 is inside its wait by now
-    wall, cpu = time.monotonic(), time.thread_time()
+    start, a = time.monotonic(), torch.rand(256, 256)
+    for _ in range(400):  # rank 0 waits through this work (about 0.2 s on one core here)
+        a = torch.tanh(a @ a)
+    work = time.monotonic() - start
     hvd.allreduce(x, name="wait.sleeps")
-    return {"wall": time.monotonic() - wall, "cpu": time.thread_time() - cpu}
+    return {"work": work}
 
 
 def main() -> None:
