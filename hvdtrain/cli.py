@@ -102,14 +102,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         os.environ["KERAS_BACKEND"] = cfg.keras_backend
         if cfg.keras_backend == "torch":  # elastic Keras runs on the CPU (keras/elastic.py)
             runtime.use_keras_torch_device("cpu" if cfg.elastic else cfg.device)
-    if cfg.elastic and cfg.framework == "torch":
-        from hvdtrain.torch.elastic import fit_elastic as fit
-    elif cfg.elastic:
-        from hvdtrain.keras.elastic import fit_elastic as fit
-    elif cfg.framework == "torch":
-        from hvdtrain.torch.trainer import fit
-    else:
-        from hvdtrain.keras.trainer import fit
+    module = f"hvdtrain.{cfg.framework}.{'elastic' if cfg.elastic else 'trainer'}"
+    # A torch.optim optimizer imports torch._dynamo when it is made (about 0.8 s): here instead.
+    extra = ("torch._dynamo",) if cfg.framework == "torch" else ()
+    trainer = runtime.import_frozen(module, *extra)[0]
+    fit = trainer.fit_elastic if cfg.elastic else trainer.fit
     try:
         fit(cfg)
     except guard.DivergenceError as exc:  # every rank; rank 0 printed it before they stopped
