@@ -118,11 +118,9 @@ def import_frozen(*modules: str) -> list[ModuleType]:
     documentation of :func:`gc.freeze`) and what Instagram did for its servers ("Dismissing
     Python Garbage Collection at Instagram", 2017).
 
-    Frozen objects are never collected: modules and what they hold live as long as the process
-    anyway. Nothing is frozen when every module was imported already (a second call in one
-    process, e.g. a test's long-lived rank running ``hvdtrain train`` again: its garbage from
-    the first run stays collectable). The collector is enabled again (when it was) whatever
-    the import raises.
+    Frozen objects are never collected: modules live as long as the process anyway. Nothing is
+    frozen when every module was loaded already (a second call in one process: the garbage of
+    what ran before stays collectable). The collector is enabled again whatever the import raises.
 
     Args:
         modules: dotted module names, imported in this order.

@@ -21,11 +21,13 @@ names the test, and the next request starts a new pool.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -119,9 +121,26 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def _end_with(parent: int) -> None:
+    """End this rank (exit 3) once the test process ``parent`` is gone, from a thread of its
+    own: the loop of :func:`serve` sees it between requests, this also inside one, e.g. a rank
+    stuck in a collective its peer never joins when pytest was killed (seen: such pools left
+    running for an hour). Open MPI then ends the job's other ranks and mpirun."""
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(parent, 0)
+            except ProcessLookupError:
+                os._exit(3)
+
+    threading.Thread(target=watch, name="rankpool-parent", daemon=True).start()
+
+
 def serve(folder: Path, parent: int) -> int:
     """Each rank's loop: run request 1, 2, ... as they appear; 0 when the ``stop`` file appears
     or the test process ``parent`` is gone (a killed pytest leaves no pool behind)."""
+    _end_with(parent)
     rank, n = _rank(), 1
     while True:
         req_path = folder / f"{n:06d}.req.json"
@@ -135,11 +154,18 @@ def serve(folder: Path, parent: int) -> int:
             time.sleep(POLL_S)
         req = json.loads(req_path.read_text())
         result = {"code": None, "seconds": 0.0}
+        loaded = len(sys.modules)
         if req.get("ranks") is None or rank in req["ranks"]:
             started = time.monotonic()
             result["code"] = _run_request(req, folder / f"{n:06d}.rank{rank}.out")
             result["seconds"] = round(time.monotonic() - started, 3)
         _write_json(folder / f"{n:06d}.rank{rank}.json", result)
+        if len(sys.modules) > loaded:
+            # The request imported modules (the first ones: PyTorch, TensorFlow, Horovod): its
+            # garbage collected once, what is left frozen, so that the collections of the
+            # requests after it skip the frameworks' objects (hvdtrain.runtime.import_frozen).
+            gc.collect()
+            gc.freeze()
         n += 1
 
 
@@ -180,6 +206,22 @@ class Done:
 
 def _tail(text: str, limit: int = 4000) -> str:
     return text if len(text) <= limit else "..." + text[-limit:]
+
+
+def session_processes(sid: int) -> list:
+    """The live processes (``psutil.Process``) of session ``sid``. A pool's launcher starts in a
+    session of its own, which mpirun and the ranks keep (Open MPI gives each rank a process
+    group of its own, not a session), so this finds them all, with the launcher gone too: the
+    kernel reuses no process id that still names a session."""
+    import psutil
+    found = []
+    for pid in psutil.pids():
+        try:
+            if os.getsid(pid) == sid:
+                found.append(psutil.Process(pid))
+        except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
+            pass
+    return found
 
 
 class RankPool:
@@ -305,14 +347,10 @@ class RankPool:
         self.kill()
 
     def kill(self) -> None:
-        """End the launcher and every rank (its process group) now."""
+        """End the launcher and every rank now: every process of the launcher's session."""
         if self.proc is not None:
             import psutil
-            try:  # the launcher's session, and any rank that left it (e.g. under mpirun's orted)
-                procs = [psutil.Process(self.proc.pid)]
-                procs += procs[0].children(recursive=True)
-            except psutil.NoSuchProcess:
-                procs = []
+            procs = session_processes(self.proc.pid)
             for p in procs:
                 try:
                     p.kill()

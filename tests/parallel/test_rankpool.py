@@ -3,12 +3,18 @@ a failing rank fails the test with both ranks' output, a hung collective ends th
 the request's timeout with a message naming the test, the next request starts a new pool, and a
 request's environment and signal handlers do not leak into the next."""
 import json
+import os
 import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import psutil
 import pytest
 
 from jobs import horovodrun, job_env
-from rankpool import RankPool, RankPoolError
+from rankpool import RankPool, RankPoolError, session_processes
 
 RANK_CODE = """
 import json, os, signal, sys
@@ -20,6 +26,9 @@ if what == "fail" and hvd.rank() == 1:
     raise RuntimeError("rank one fails here")
 if what == "hang" and hvd.rank() == 0:  # rank 1 never joins: a hung collective
     hvd.allreduce(torch.ones(1), name="only.rank0")
+if what == "cross":  # each rank waits for a collective the other never starts
+    open(f"{out}.waiting{hvd.rank()}", "w").close()
+    hvd.allreduce(torch.ones(1), name=f"only.rank{hvd.rank()}")
 if what == "leak":
     os.environ["LEAKED_BY_A_TEST"] = "1"
     signal.signal(signal.SIGUSR2, lambda *a: None)
@@ -56,12 +65,15 @@ def test_a_failing_rank_fails_the_test_with_both_ranks_output(pool, code, tmp_pa
 
 
 def test_a_hung_collective_ends_the_pool_naming_the_test(pool, code, tmp_path):
+    pool.run(code, "ok", tmp_path / "out.json")
+    session = pool.proc.pid  # the launcher's session: it, mpirun and the ranks
+    assert len(session_processes(session)) >= 4
     with pytest.raises(RankPoolError) as err:
         pool.run(code, "hang", tmp_path / "out.json", timeout=8)
     message = str(err.value)
     assert "test_a_hung_collective_ends_the_pool_naming_the_test" in message
     assert "no end within 8 s" in message and "pool ended" in message
-    assert not pool.alive
+    assert not pool.alive and session_processes(session) == []
     # The next request starts a new pool and runs.
     starts = pool.starts
     done = pool.run(code, "ok", tmp_path / "out.json")
@@ -76,3 +88,47 @@ def test_a_requests_environment_and_signals_do_not_leak(pool, code, tmp_path):
     after = json.loads((tmp_path / "after.json").read_text())
     assert after["leaked"] is None and after["size"] == 2
     assert after["usr2"] == str(signal.SIG_DFL)
+
+
+# A test process that owns a pool and is killed while each rank waits in a collective the other
+# never starts (as a mismatched allgather does): what a pytest killed in a hung test leaves.
+# Neither rank gets back to its loop, where it would see the test process gone.
+OWNER = """
+import sys
+from jobs import horovodrun, job_env
+from rankpool import RankPool
+folder, code, out = sys.argv[1:]
+RankPool(folder, horovodrun(2), job_env(), name="owned").run(code, "cross", out, timeout=600)
+"""
+
+
+def test_a_pool_ends_when_its_test_process_is_killed_in_a_hung_collective(code, tmp_path):
+    folder, here = tmp_path / "owned", Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(here), os.environ.get("PYTHONPATH")]))}
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(folder), str(code),
+                              str(tmp_path / "out.json")], env=env, stdin=subprocess.DEVNULL)
+    session = None
+    try:
+        waiting = [tmp_path / f"out.json.waiting{r}" for r in (0, 1)]
+        deadline = time.monotonic() + 300
+        while not all(p.exists() for p in waiting):
+            assert owner.poll() is None, f"the owner ended first (exit {owner.returncode})"
+            assert time.monotonic() < deadline, "the ranks did not reach the collective in 300 s"
+            time.sleep(0.1)
+        rank = next(p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
+                    if str(folder / "start1") in " ".join(p.info["cmdline"] or ()))
+        session = os.getsid(rank)  # the launcher's, which mpirun and the ranks keep
+        assert len(session_processes(session)) >= 4  # launcher, mpirun, 2 ranks
+        assert not list((folder / "start1").glob("000001.rank*.json"))  # both still in it
+        owner.kill()
+        owner.wait()
+        deadline = time.monotonic() + 120
+        while (left := session_processes(session)):
+            assert time.monotonic() < deadline, f"still running 120 s after: {left}"
+            time.sleep(0.2)
+    finally:  # a failure here leaves nothing running either
+        owner.kill()
+        owner.wait()
+        for p in session_processes(session) if session else ():
+            p.kill()
