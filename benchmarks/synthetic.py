@@ -242,6 +242,12 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.timeline_allreduces:
         os.environ["HOROVOD_TIMELINE"] = "DYNAMIC"
+    # The framework imported as `hvdtrain train` imports it: the garbage collector paused, what
+    # the import made frozen (hvdtrain.runtime.import_frozen). Every mode gets the same.
+    from hvdtrain import runtime
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    runtime.import_frozen(*(("torch", "torch._dynamo") if args.framework == "torch" else
+                            ("keras",)))
     if args.framework == "torch":
         step, rank, size, hvd = torch_setup(args)
     else:
