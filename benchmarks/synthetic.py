@@ -242,8 +242,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.timeline_allreduces:
         os.environ["HOROVOD_TIMELINE"] = "DYNAMIC"
-    # The framework imported as `hvdtrain train` imports it: the garbage collector paused, what
-    # the import made frozen (hvdtrain.runtime.import_frozen). Every mode gets the same.
+    # The framework imported with the garbage collector paused and its objects frozen, as
+    # `hvdtrain train` does (hvdtrain.runtime.import_frozen); every mode alike.
     from hvdtrain import runtime
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     runtime.import_frozen(*(("torch", "torch._dynamo") if args.framework == "torch" else

@@ -125,7 +125,7 @@ def _end_with(parent: int) -> None:
     """End this rank (exit 3) once the test process ``parent`` is gone, from a thread of its
     own: the loop of :func:`serve` sees it between requests, this also inside one, e.g. a rank
     stuck in a collective its peer never joins when pytest was killed (seen: such pools left
-    running for an hour). Open MPI then ends the job's other ranks and mpirun."""
+    running for an hour). The launcher (mpirun, or Horovod's Gloo driver) then ends the job."""
     def watch() -> None:
         while True:
             time.sleep(1.0)
@@ -133,13 +133,16 @@ def _end_with(parent: int) -> None:
                 os.kill(parent, 0)
             except ProcessLookupError:
                 os._exit(3)
+            except PermissionError:  # the id reused by another user's process: cannot tell
+                pass
 
     threading.Thread(target=watch, name="rankpool-parent", daemon=True).start()
 
 
 def serve(folder: Path, parent: int) -> int:
     """Each rank's loop: run request 1, 2, ... as they appear; 0 when the ``stop`` file appears
-    or the test process ``parent`` is gone (a killed pytest leaves no pool behind)."""
+    or the test process ``parent`` is gone between requests (a killed pytest leaves no pool
+    behind), exit 3 when it is gone during one (:func:`_end_with`)."""
     _end_with(parent)
     rank, n = _rank(), 1
     while True:
@@ -209,16 +212,18 @@ def _tail(text: str, limit: int = 4000) -> str:
 
 
 def session_processes(sid: int) -> list:
-    """The live processes (``psutil.Process``) of session ``sid``. A pool's launcher starts in a
-    session of its own, which mpirun and the ranks keep (Open MPI gives each rank a process
-    group of its own, not a session), so this finds them all, with the launcher gone too: the
-    kernel reuses no process id that still names a session."""
+    """The live processes (``psutil.Process``, zombies left out) of session ``sid``. A pool's
+    launcher starts in a session of its own, which mpirun and the ranks keep (Open MPI gives
+    each rank a process group of its own, not a session), so this finds them, with the launcher
+    gone too: the kernel reuses no process id that still names a session."""
     import psutil
     found = []
     for pid in psutil.pids():
         try:
             if os.getsid(pid) == sid:
-                found.append(psutil.Process(pid))
+                p = psutil.Process(pid)
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p)
         except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
             pass
     return found
@@ -347,10 +352,18 @@ class RankPool:
         self.kill()
 
     def kill(self) -> None:
-        """End the launcher and every rank now: every process of the launcher's session."""
+        """End the launcher and every rank now: every process of the launcher's session, and
+        every descendant of those that left it (Horovod's Gloo launch and a request's own
+        ``start_new_session`` children start sessions of their own)."""
         if self.proc is not None:
             import psutil
-            procs = session_processes(self.proc.pid)
+            procs = {p.pid: p for p in session_processes(self.proc.pid)}
+            for p in list(procs.values()):
+                try:
+                    procs.update((c.pid, c) for c in p.children(recursive=True))
+                except psutil.NoSuchProcess:
+                    pass
+            procs = list(procs.values())
             for p in procs:
                 try:
                     p.kill()

@@ -108,7 +108,7 @@ def test_a_pool_ends_when_its_test_process_is_killed_in_a_hung_collective(code, 
         filter(None, [str(here), os.environ.get("PYTHONPATH")]))}
     owner = subprocess.Popen([sys.executable, "-c", OWNER, str(folder), str(code),
                               str(tmp_path / "out.json")], env=env, stdin=subprocess.DEVNULL)
-    session = None
+    session = None  # the pool's, once found; None again once seen empty
     try:
         waiting = [tmp_path / f"out.json.waiting{r}" for r in (0, 1)]
         deadline = time.monotonic() + 300
@@ -127,6 +127,7 @@ def test_a_pool_ends_when_its_test_process_is_killed_in_a_hung_collective(code, 
         while (left := session_processes(session)):
             assert time.monotonic() < deadline, f"still running 120 s after: {left}"
             time.sleep(0.2)
+        session = None
     finally:  # a failure here leaves nothing running either
         owner.kill()
         owner.wait()
