@@ -1,6 +1,6 @@
 """Reading the process table (``/proc``, proc(5)): a process's environment, name and parent,
-the processes below one or in one process group, whether one has exited or catches a signal. Linux only; every function
-takes ``proc``, a folder of the same shape, for tests."""
+the processes below one or in one process group or session, whether one has exited or catches
+a signal. Linux only; every function takes ``proc``, a folder of the same shape, for tests."""
 from __future__ import annotations
 
 import os
@@ -34,19 +34,38 @@ def stat(pid: int, proc: Path) -> tuple[str, int] | None:
     return None if found is None else (found[0], int(found[1][1]))
 
 
-def group_members(pgid: int, proc: str | os.PathLike = "/proc") -> list[int]:
-    """Process ids in process group ``pgid`` (``/proc/PID/stat``), the calling process left out.
-
-    Raises:
-        OSError: ``proc`` cannot be listed.
-    """
+def _members(field: int, value: int, proc: str | os.PathLike) -> list[int]:
+    """Process ids, the calling process and zombies left out, whose ``/proc/PID/stat`` field
+    ``field`` (counted after comm: 0 state, 2 process group, 3 session) is ``value``."""
     found = []
     for entry in Path(proc).iterdir():
         if entry.name.isdigit() and int(entry.name) != os.getpid():
             fields = _stat_fields(int(entry.name), Path(proc))
-            if fields is not None and int(fields[1][2]) == pgid:
+            if fields is not None and fields[1][0] != "Z" and int(fields[1][field]) == value:
                 found.append(int(entry.name))
     return found
+
+
+def group_members(pgid: int, proc: str | os.PathLike = "/proc") -> list[int]:
+    """Process ids in process group ``pgid`` (``/proc/PID/stat``), the calling process and
+    zombies left out.
+
+    Raises:
+        OSError: ``proc`` cannot be listed.
+    """
+    return _members(2, pgid, proc)
+
+
+def session_members(sid: int, proc: str | os.PathLike = "/proc") -> list[int]:
+    """Process ids in session ``sid`` (``/proc/PID/stat``), the calling process and zombies left
+    out. A session outlives its leader's exit, and the kernel gives no new process an id that
+    still names a session, so this finds what a launcher started in a session of its own
+    (``setsid``) started, with the launcher gone too.
+
+    Raises:
+        OSError: ``proc`` cannot be listed.
+    """
+    return _members(3, sid, proc)
 
 
 def descendants(pid: int, proc: str | os.PathLike = "/proc") -> set[int]:

@@ -33,6 +33,8 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hvdtrain.launch import procfs
+
 POLL_S = 0.02  # how often a rank or the test looks for the next file (seconds)
 STOP = "stop"  # the file that ends every rank's loop
 # Variables every pool's ranks start with. Not HOROVOD_TIMELINE=DYNAMIC (what hvd.start_timeline
@@ -123,9 +125,9 @@ def _write_json(path: Path, data: dict) -> None:
 
 def _end_with(parent: int) -> None:
     """End this rank (exit 3) once the test process ``parent`` is gone, from a thread of its
-    own: the loop of :func:`serve` sees it between requests, this also inside one, e.g. a rank
-    stuck in a collective its peer never joins when pytest was killed (seen: such pools left
-    running for an hour). The launcher (mpirun, or Horovod's Gloo driver) then ends the job."""
+    own: between requests and inside one too, e.g. a rank stuck in a collective its peer never
+    joins when pytest was killed (seen: such pools left running for an hour). The launcher
+    (mpirun, or Horovod's Gloo driver) then ends the job."""
     def watch() -> None:
         while True:
             time.sleep(1.0)
@@ -140,19 +142,15 @@ def _end_with(parent: int) -> None:
 
 
 def serve(folder: Path, parent: int) -> int:
-    """Each rank's loop: run request 1, 2, ... as they appear; 0 when the ``stop`` file appears
-    or the test process ``parent`` is gone between requests (a killed pytest leaves no pool
-    behind), exit 3 when it is gone during one (:func:`_end_with`)."""
+    """Each rank's loop: run request 1, 2, ... as they appear; 0 when the ``stop`` file appears;
+    exit 3 once the test process ``parent`` is gone (:func:`_end_with`: a killed pytest leaves
+    no pool behind)."""
     _end_with(parent)
     rank, n = _rank(), 1
     while True:
         req_path = folder / f"{n:06d}.req.json"
         while not req_path.exists():
             if (folder / STOP).exists():
-                return 0
-            try:
-                os.kill(parent, 0)
-            except ProcessLookupError:
                 return 0
             time.sleep(POLL_S)
         req = json.loads(req_path.read_text())
@@ -209,24 +207,6 @@ class Done:
 
 def _tail(text: str, limit: int = 4000) -> str:
     return text if len(text) <= limit else "..." + text[-limit:]
-
-
-def session_processes(sid: int) -> list:
-    """The live processes (``psutil.Process``, zombies left out) of session ``sid``. A pool's
-    launcher starts in a session of its own, which mpirun and the ranks keep (Open MPI gives
-    each rank a process group of its own, not a session), so this finds them, with the launcher
-    gone too: the kernel reuses no process id that still names a session."""
-    import psutil
-    found = []
-    for pid in psutil.pids():
-        try:
-            if os.getsid(pid) == sid:
-                p = psutil.Process(pid)
-                if p.status() != psutil.STATUS_ZOMBIE:
-                    found.append(p)
-        except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
-            pass
-    return found
 
 
 class RankPool:
@@ -352,21 +332,20 @@ class RankPool:
         self.kill()
 
     def kill(self) -> None:
-        """End the launcher and every rank now: every process of the launcher's session, and
-        every descendant of those that left it (Horovod's Gloo launch and a request's own
-        ``start_new_session`` children start sessions of their own)."""
+        """End the launcher and every rank now: every process of the launcher's session (which
+        mpirun and the ranks keep: Open MPI gives each rank a process group of its own, not a
+        session), and every descendant of those that left it (Horovod's Gloo launch and a
+        request's own ``start_new_session`` children start sessions of their own)."""
         if self.proc is not None:
             import psutil
-            procs = {p.pid: p for p in session_processes(self.proc.pid)}
-            for p in list(procs.values()):
+            pids = set(procfs.session_members(self.proc.pid))
+            for pid in list(pids):
+                pids |= procfs.descendants(pid)
+            procs = []
+            for pid in pids:
                 try:
-                    procs.update((c.pid, c) for c in p.children(recursive=True))
-                except psutil.NoSuchProcess:
-                    pass
-            procs = list(procs.values())
-            for p in procs:
-                try:
-                    p.kill()
+                    procs.append(psutil.Process(pid))
+                    procs[-1].kill()
                 except psutil.NoSuchProcess:
                     pass
             self.proc.wait()

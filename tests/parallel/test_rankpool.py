@@ -14,7 +14,9 @@ import psutil
 import pytest
 
 from jobs import horovodrun, job_env
-from rankpool import RankPool, RankPoolError, session_processes
+from rankpool import RankPool, RankPoolError
+
+from hvdtrain.launch.procfs import session_members
 
 RANK_CODE = """
 import json, os, signal, sys
@@ -67,13 +69,13 @@ def test_a_failing_rank_fails_the_test_with_both_ranks_output(pool, code, tmp_pa
 def test_a_hung_collective_ends_the_pool_naming_the_test(pool, code, tmp_path):
     pool.run(code, "ok", tmp_path / "out.json")
     session = pool.proc.pid  # the launcher's session: it, mpirun and the ranks
-    assert len(session_processes(session)) >= 4
+    assert len(session_members(session)) >= 4
     with pytest.raises(RankPoolError) as err:
         pool.run(code, "hang", tmp_path / "out.json", timeout=8)
     message = str(err.value)
     assert "test_a_hung_collective_ends_the_pool_naming_the_test" in message
     assert "no end within 8 s" in message and "pool ended" in message
-    assert not pool.alive and session_processes(session) == []
+    assert not pool.alive and session_members(session) == []
     # The next request starts a new pool and runs.
     starts = pool.starts
     done = pool.run(code, "ok", tmp_path / "out.json")
@@ -119,17 +121,20 @@ def test_a_pool_ends_when_its_test_process_is_killed_in_a_hung_collective(code, 
         rank = next(p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
                     if str(folder / "start1") in " ".join(p.info["cmdline"] or ()))
         session = os.getsid(rank)  # the launcher's, which mpirun and the ranks keep
-        assert len(session_processes(session)) >= 4  # launcher, mpirun, 2 ranks
+        assert len(session_members(session)) >= 4  # launcher, mpirun, 2 ranks
         assert not list((folder / "start1").glob("000001.rank*.json"))  # both still in it
         owner.kill()
         owner.wait()
         deadline = time.monotonic() + 120
-        while (left := session_processes(session)):
+        while (left := session_members(session)):
             assert time.monotonic() < deadline, f"still running 120 s after: {left}"
             time.sleep(0.2)
         session = None
     finally:  # a failure here leaves nothing running either
         owner.kill()
         owner.wait()
-        for p in session_processes(session) if session else ():
-            p.kill()
+        for pid in session_members(session) if session else ():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -1,7 +1,8 @@
 """Checks of hvdtrain.torch's learning-rate handling and input checks on real ranks: a restored
 optimizer is scaled once, schedulers built before/after distribute(), warmup composed with a
 user's scheduler against schedule.lr_at, Adasum's default scaling, unequal batch counts, and
-what a rank waiting for a collective costs. Rank 0 writes what it saw as JSON; tests/parallel/test_torch_adapter.py asserts on it.
+what a rank waiting for a collective costs. Rank 0 writes what it saw as JSON;
+tests/parallel/test_torch_adapter.py asserts on it.
 
 Launch::
 
@@ -170,9 +171,9 @@ def a_wait_sleeps(rank, ready):
     x = torch.ones(4)
     hvd.allreduce(x, name="wait.first")  # the name negotiated once: the next call is a cache hit
     if rank == 0:
+        wall, cpu = time.monotonic(), time.thread_time()  # before rank 1 can start its work
         with open(ready, "w"):
             pass
-        wall, cpu = time.monotonic(), time.thread_time()
         hvd.allreduce(x, name="wait.sleeps")
         return {"wall": time.monotonic() - wall, "cpu": time.thread_time() - cpu}
     deadline = time.monotonic() + 120

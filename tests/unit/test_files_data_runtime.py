@@ -182,20 +182,21 @@ except ImportError as exc:
     failed = type(exc).__name__
 after_failure = gc.get_freeze_count() - before - frozen
 runtime.import_frozen("http.server")  # imported already: nothing new to freeze
-print(json.dumps({"names": [m.__name__ for m in mods], "during": during, "frozen": frozen,
-                  "enabled": gc.isenabled(), "failed": failed,
-                  "frozen_after_failure": after_failure,
-                  "frozen_again": gc.get_freeze_count() - before - frozen - after_failure}))
+result = {"names": [m.__name__ for m in mods], "during": during, "frozen": frozen,
+          "enabled": gc.isenabled(), "failed": failed, "frozen_after_failure": after_failure,
+          "frozen_again": gc.get_freeze_count() - before - frozen - after_failure}
+open(sys.argv[1], "w").write(json.dumps(result))
 """
 
 
-def test_import_frozen_pauses_the_collector_and_freezes_what_the_import_made():
+def test_import_frozen_pauses_the_collector_and_freezes_what_the_import_made(tmp_path):
     # Its own interpreter: a freeze here would keep pytest's objects out of every later
     # collection of this session.
-    proc = subprocess.run([sys.executable, "-c", FROZEN_CHECK], capture_output=True, text=True,
-                          timeout=120)
+    out = tmp_path / "frozen.json"
+    proc = subprocess.run([sys.executable, "-c", FROZEN_CHECK, str(out)], capture_output=True,
+                          text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    r = json.loads(proc.stdout)
+    r = json.loads(out.read_text())
     assert r["names"] == ["http.server", "unittest.mock", "email.mime.multipart"]
     # One full collection before the import (garbage is not frozen), none while it ran.
     assert r["during"] == [2]

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from hvdtrain.launch import sigmask, signals
+from hvdtrain.launch import procfs, sigmask, signals
 from hvdtrain.launch.plan import PlanError, plan
 
 
@@ -89,6 +89,17 @@ def _fake_proc(root, pid, comm, ppid, env):
     d.mkdir()
     (d / "stat").write_text(f"{pid} ({comm}) S {ppid} 1 1 0 -1\n")
     (d / "environ").write_bytes(b"\0".join(f"{k}={v}".encode() for k, v in env.items()) + b"\0")
+
+
+def test_session_and_group_members_leave_out_zombies_and_other_sessions(tmp_path):
+    for pid, state, pgrp, sid in [(20, "S", 20, 20), (21, "S", 21, 20), (22, "Z", 22, 20),
+                                  (23, "R", 23, 23), (24, "S", 20, 20)]:
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} (a (b) c) {state} 1 {pgrp} {sid} 0 -1\n")
+    (tmp_path / "self").mkdir()
+    assert sorted(procfs.session_members(20, tmp_path)) == [20, 21, 24]
+    assert sorted(procfs.group_members(20, tmp_path)) == [20, 24]
+    assert procfs.session_members(99, tmp_path) == []
 
 
 def test_rank_pids_takes_the_ranks_not_their_shells_children_or_launchers(tmp_path):
