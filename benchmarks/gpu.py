@@ -18,8 +18,9 @@ S seconds after the start, taking the next round to last as long as the last one
 holds every warmup: this errs towards fewer rounds), but runs ``--min-rounds`` (default 2: each
 loop first once) and at most ``--rounds``; ``--warmup-later N``: N warmup steps, not
 ``--warmup``, before a runner's later blocks (its kernels and cuDNN's choices are ready then).
-``--json-out`` is written after every round (``"complete": false`` until the end: a run stopped
-from outside leaves its rounds), its ``"timing"`` the seconds of start-up, rounds and total.
+``--json-out`` is written after each variant's pair of blocks (``"complete": false`` until the
+end: a run stopped from outside, even in its first round, leaves every variant it timed in both
+loops), its ``"timing"`` the seconds of start-up, rounds and total.
 
 Launch::
 
@@ -383,6 +384,11 @@ def main(argv=None) -> dict:
                     log(f"Iter #{len(iters[key])}: {samples / s:.1f} img/sec per {unit}")
                     iters[key].append(samples / s)
                 rounds[key].append(samples * len(seconds) / sum(seconds))
+            # After each variant's pair: a run stopped mid-round (make gpu-check's step budget)
+            # still leaves the variants it timed in both loops.
+            report["variants"] = results_of(kinds, iters, rounds, info.size)
+            if rank0 and args.json_out:
+                write_json(args.json_out, report)
         r += 1
         timing["rounds_s"].append(round(time.perf_counter() - round_start, 2))
         log(f"Round {r} took {timing['rounds_s'][-1]:.1f} s "

@@ -1,7 +1,7 @@
 """The bookkeeping of ``benchmarks/gpu.py``'s interleaved rounds, free of any framework: whether
 another round fits the time budget, each variant's statistics (Horovod's mean +-1.96 std of the
 iterations, the median of the rounds, the per-round ratios hvdtrain / plain with their median,
-min and max), what is printed at the end, and the JSON written after every round.
+min and max), what is printed at the end, and the JSON written after each variant's pair of blocks.
 """
 from __future__ import annotations
 
@@ -35,9 +35,13 @@ def results_of(kinds: dict[str, dict], iters: dict, rounds: dict, size: int) -> 
     """Per variant (``kinds``: variant -> its ``model`` and ``framework``): each loop's img/s per
     device (mean and 1.96 std of ``iters[(variant, loop)]``, the median of ``rounds[...]``, both
     lists), ``round_ratios`` hvdtrain / plain, their median (``ratio``), ``ratio_min``,
-    ``ratio_max``, ``ratio_of_means``, and whether the median ``meets_target``."""
+    ``ratio_max``, ``ratio_of_means``, and whether the median ``meets_target``. A variant not yet
+    timed in both loops is left out (a round in progress: the JSON is written after each variant's
+    pair of blocks)."""
     results = {}
     for variant, kind in kinds.items():
+        if not all(rounds[(variant, loop)] for loop in LOOPS):
+            continue
         entry = dict(kind)
         for loop in LOOPS:
             mean, conf = summary(iters[(variant, loop)])

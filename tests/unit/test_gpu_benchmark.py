@@ -160,6 +160,31 @@ def test_benchmark_runs_on_the_cpu_in_horovods_format(tmp_path):
     assert "2 round(s) (stopped by --time-budget) in " in printed
 
 
+def test_results_are_written_after_each_variants_pair_of_blocks(tmp_path):
+    """make gpu-check stops the benchmark at its step's budget, even in its first round: the JSON
+    is written after each variant's plain and hvdtrain blocks, so what was timed in both loops
+    is kept. Every write the run makes is recorded (the variants in it, each with its number of
+    round ratios, and ``complete``) into a file this test reads back."""
+    writes, out = tmp_path / "writes.json", tmp_path / "gpu.json"
+    driver = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import gpu; calls = []; "
+        "real = gpu.write_json\n"
+        "def record(path, report):\n"
+        "    calls.append([{v: len(e['round_ratios']) for v, e in report['variants'].items()}, "
+        "report['complete']]); real(path, report)\n"
+        "gpu.write_json = record; gpu.main(sys.argv[3:]); "
+        "open(sys.argv[2], 'w').write(json.dumps(calls))")
+    proc = python("-c", driver, str(BENCH.parent), str(writes), *SMOKE, "--model", "tiny",
+                  "--variants", "fp32,bf16", "--rounds", "2", "--json-out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    one, both = {"fp32": 1}, {"fp32": 1, "bf16": 1}
+    assert json.loads(writes.read_text()) == [
+        [one, False], [both, False], [both, False],  # round 1: each pair, then the round's end
+        [{"fp32": 2, "bf16": 1}, False], [{"fp32": 2, "bf16": 2}, False],
+        [{"fp32": 2, "bf16": 2}, False], [{"fp32": 2, "bf16": 2}, True]]
+    assert json.loads(out.read_text())["complete"] is True
+
+
 def test_keras_variants_need_the_pytorch_backend(tmp_path):
     """The keras_* variants compare Keras's PyTorch-backend loops (a GPU build of Horovod has no
     TensorFlow ops): another KERAS_BACKEND is refused before any work, saying what to set."""
