@@ -14,8 +14,9 @@
 # both: the fixes in scripts/horovod_patches/*.patch, unified diffs applied in name order with
 #      patch -p1 (each file starts with what it fixes and the upstream issue it mirrors):
 #      horovod.tensorflow with Keras 3 variables and layers, Horovod's Keras-2 callbacks under
-#      TF_USE_LEGACY_KERAS=1, zero_grad(set_to_none=...) in horovod.torch, and (C++, 08) the
-#      background thread woken when work is enqueued under HOROVOD_CYCLE_WAKE=1.
+#      TF_USE_LEGACY_KERAS=1, zero_grad(set_to_none=...) in horovod.torch, (C++, 08) the
+#      background thread woken when work is enqueued under HOROVOD_CYCLE_WAKE=1, and (CMake, 12)
+#      the libraries built without debug info (docs/install.md lists them all).
 # Each change is checked once made; running it again on a patched tree changes nothing. A file
 # without the expected text (not Horovod 0.28.1?) stops it with exit status 1.
 set -euo pipefail
