@@ -272,7 +272,7 @@ if compgen -G "$CACHE/wheels/*/horovod-*.whl" >/dev/null; then
   BUILD_ARGS+=(-v "$CACHE/wheels:/opt/hvdtrain-wheels:ro")
   say "Horovod wheel cache lent to the build: $CACHE/wheels"
 else
-  say "no Horovod wheel in $CACHE/wheels: the build compiles Horovod (about 6 minutes on 2 cores)"
+  say "no Horovod wheel in $CACHE/wheels: the build compiles Horovod (about 3 minutes on 2 cores)"
 fi
 printf '%s\n' "${BUILD_ARGS[@]}" | grep -v '^--build-arg$\|^-v$' | sed 's/^/[container_test]   build: /'
 

@@ -731,10 +731,10 @@ if [ ! -f "$horovod_stamp" ] && ! have_horovod >/dev/null; then
   fi
   if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
     if [ "$mode" = gpu ]; then
-      phase "building Horovod $HOROVOD_VERSION with NCCL (2 minutes on 16 cores) into $wheel_dir" \
+      phase "building Horovod $HOROVOD_VERSION with NCCL (under 2 minutes on 16 cores) into $wheel_dir" \
         build_horovod
     else
-      phase "building Horovod $HOROVOD_VERSION (about 6 minutes on 2 cores) into $wheel_dir" \
+      phase "building Horovod $HOROVOD_VERSION (about 3 minutes on 2 cores) into $wheel_dir" \
         build_horovod
     fi
   fi
