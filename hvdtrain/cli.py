@@ -102,6 +102,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         os.environ["KERAS_BACKEND"] = cfg.keras_backend
         if cfg.keras_backend == "torch":  # elastic Keras runs on the CPU (keras/elastic.py)
             runtime.use_keras_torch_device("cpu" if cfg.elastic else cfg.device)
+    from hvdtrain.launch import tuning
+    tuning.openmp_spin()  # before the framework loads OpenMP, which reads it once
     module = f"hvdtrain.{cfg.framework}.{'elastic' if cfg.elastic else 'trainer'}"
     # A torch.optim optimizer imports torch._dynamo when it is made (about 0.8 s): here instead.
     extra = ("torch._dynamo",) if cfg.framework == "torch" else ()

@@ -362,6 +362,31 @@ def settings_in_effect(settings: dict[str, dict], mpi: bool, size: int | None = 
                    if name.startswith("OMPI_MCA_") else s) for name, s in settings.items()}
 
 
+# How long a waiting OpenMP thread of libgomp (PyTorch's OpenMP on Linux) spins before it sleeps:
+# libgomp's default is 300,000 turns (GOMP_SPINCOUNT, with OMP_WAIT_POLICY unset; GCC's libgomp
+# manual), read once, when the library loads. Measured on the 2-core machine, one process, 2
+# threads, digits, 3 epochs: idle 2.2-2.4 s at both 300,000 and 1,000; with one other busy process
+# 28-53 s at 300,000 (threads spin for a core the other thread needs), 5.4-5.5 s at 1,000, 4.5-4.8
+# s with OMP_WAIT_POLICY=PASSIVE (which costs 16 % idle).
+OPENMP_SPIN = "1000"
+
+
+def openmp_spin(env: MutableMapping[str, str] | None = None) -> dict:
+    """Bound how long PyTorch's idle OpenMP threads spin (``GOMP_SPINCOUNT=1000``, see
+    :data:`OPENMP_SPIN`) where the user set neither ``GOMP_SPINCOUNT`` nor ``OMP_WAIT_POLICY``,
+    so that a rank sharing its cores with other work does not lose them to its own spinning
+    threads. Call before the framework is imported (``hvdtrain train`` does): libgomp reads it
+    once, when it loads. Returns ``{"value", "by": "user" | "hvdtrain", "why"}``."""
+    env = os.environ if env is None else env
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        if env.get(name, "").strip():
+            return {"value": f"{name}={env[name]}", "by": "user", "why": "set in the environment"}
+    env["GOMP_SPINCOUNT"] = OPENMP_SPIN
+    return {"value": f"GOMP_SPINCOUNT={OPENMP_SPIN}", "by": "hvdtrain",
+            "why": "idle OpenMP threads sleep after 1,000 turns instead of 300,000: spinning "
+                   "threads took the cores a rank shares with other work (6-10x slower)"}
+
+
 def describe_settings(settings: dict[str, dict]) -> str:
     """One line for the run header: ``HOROVOD_CYCLE_TIME=0.1 (hvdtrain), ...``."""
     return ", ".join(f"{name}={s['value']} ({s['by']})" for name, s in settings.items())

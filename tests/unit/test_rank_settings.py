@@ -1,6 +1,7 @@
 """Horovod's runtime settings that every rank's init() chooses before hvd.init()
 (hvdtrain.launch.tuning.rank_settings): the CPU rule (with and without the Horovod patch that
-wakes the background thread), the GPU rule, and the user's variables winning."""
+wakes the background thread), the GPU rule, and the user's variables winning; and the OpenMP spin
+``hvdtrain train`` sets before its framework loads (tuning.openmp_spin)."""
 from hvdtrain.launch import tuning
 
 CYCLE, FUSION, WAKE = "HOROVOD_CYCLE_TIME", "HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_WAKE"
@@ -146,3 +147,45 @@ def test_the_one_rank_cycle_leaves_the_environment_after_init_and_a_wrong_size_i
     chosen = tuning.rank_settings(on_gpu=False, size=1, env=env, can_wake=True)
     tuning.settings_in_effect(chosen, mpi=True, size=2, env=env)
     assert env[CYCLE] == "10" and len(caplog.records) == caplog_before
+
+
+def test_openmp_threads_spin_briefly_unless_the_user_chose():
+    env = {}
+    chosen = tuning.openmp_spin(env)
+    assert env == {"GOMP_SPINCOUNT": "1000"}
+    assert chosen["value"] == "GOMP_SPINCOUNT=1000" and chosen["by"] == "hvdtrain"
+    for users in ({"GOMP_SPINCOUNT": "300000"}, {"OMP_WAIT_POLICY": "ACTIVE"}):
+        env = dict(users)
+        chosen = tuning.openmp_spin(env)
+        assert env == users and chosen["by"] == "user"  # untouched: libgomp reads theirs
+        assert chosen["value"] == "{}={}".format(*users.popitem())
+    env = {"GOMP_SPINCOUNT": " "}  # empty counts as unset
+    assert tuning.openmp_spin(env)["by"] == "hvdtrain" and env["GOMP_SPINCOUNT"] == "1000"
+
+
+def test_hvdtrain_train_sets_the_spin_before_the_framework_loads_openmp(tmp_path):
+    """libgomp reads GOMP_SPINCOUNT once, when it loads (at ``import torch``): ``hvdtrain train``
+    must set it before it imports the trainer. The stand-in import records, into a file, the
+    variable and whether torch or libgomp were loaded at that moment, then ends the run."""
+    import json
+    import os
+    import subprocess
+    import sys
+    out = tmp_path / "seen.json"
+    code = (
+        "import json, os, sys\n"
+        "from hvdtrain import cli, runtime\n"
+        "def stand_in(*modules):\n"
+        "    gomp = any('libgomp' in line for line in open('/proc/self/maps'))\n"
+        "    json.dump({'spin': os.environ.get('GOMP_SPINCOUNT'), 'modules': list(modules),\n"
+        "               'torch': 'torch' in sys.modules, 'gomp': gomp}, open(sys.argv[1], 'w'))\n"
+        "    raise SystemExit(0)\n"
+        "runtime.import_frozen = stand_in\n"
+        "cli.main(['train', '--framework', 'torch', '--dataset', 'digits', '--epochs', '1'])\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    proc = subprocess.run([sys.executable, "-c", code, str(out)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(out.read_text())
+    assert seen == {"spin": "1000", "modules": ["hvdtrain.torch.trainer", "torch._dynamo"],
+                    "torch": False, "gomp": False}
