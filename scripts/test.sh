@@ -52,12 +52,6 @@ for dir in tests/*/; do  # a new suite must be placed in one of the two, or it w
     fi
 done
 
-# The two sessions share the cores, so every process that runs PyTorch with more than one thread
-# (the pytest processes themselves, one-process references, the benchmarks' plain baselines)
-# would have its idle OpenMP threads spin for the cores the other session needs: the bound that
-# hvdtrain train sets for itself (hvdtrain.launch.tuning.openmp_spin), for all of them. The test
-# of hvdtrain train's own choice runs without it.
-export GOMP_SPINCOUNT=${GOMP_SPINCOUNT:-1000}
 work=$(mktemp -d "${TMPDIR:-/tmp}/hvdtrain-test.XXXXXX")
 side_log=$work/side.log
 # What one session makes and the other can reuse (tests/conftest.py: the engines' MNIST reference).
