@@ -18,9 +18,9 @@ S seconds after the start, taking the next round to last as long as the last one
 holds every warmup: this errs towards fewer rounds), but runs ``--min-rounds`` (default 2: each
 loop first once) and at most ``--rounds``; ``--warmup-later N``: N warmup steps, not
 ``--warmup``, before a runner's later blocks (its kernels and cuDNN's choices are ready then).
-``--json-out`` is written after each variant's pair of blocks (``"complete": false`` until the
-end: a run stopped from outside, even in its first round, leaves every variant it timed in both
-loops), its ``"timing"`` the seconds of start-up, rounds and total.
+``--json-out`` is written after each variant's pair of blocks and each round (``"complete":
+false`` until the end: a run stopped from outside, even in its first round, leaves every variant
+it timed in both loops), its ``"timing"`` the seconds of start-up, rounds and total.
 
 Launch::
 

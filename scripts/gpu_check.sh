@@ -285,8 +285,9 @@ print(f"tests: shared GPU job {len(t['launches'])} launch(es): {launches}; slowe
       + ", ".join(f"{n} {s:.1f} s" for s, n in slow))
 # A side job's exit status, not a verdict: some are meant to fail (keras_refuses_gpu); the tests
 # decide, and their result is the line above.
-print("tests: side jobs: " + ", ".join(f"{n} {s['seconds']} s exit {s.get('exit', '?')}"
-                                       for n, s in t["sides"].items()))
+print("tests: side jobs: " + ", ".join(
+    f"{n} {s['seconds']} s exit {s.get('exit', '?')}" + (f" ({s['why']})" if s.get("why") else "")
+    for n, s in t["sides"].items()))
 PY
 esac
 

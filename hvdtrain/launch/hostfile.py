@@ -37,19 +37,20 @@ _KNOWN_KEYS = ("slots", "max_slots")
 # set. Horovod's documentation runs `mpirun ... -x NCCL_DEBUG=INFO -x LD_LIBRARY_PATH -x PATH`:
 # PATH and LD_LIBRARY_PATH (the same Python, CUDA and NCCL libraries on every host), then the
 # PyTorch/TensorFlow GPU memory settings and the Keras backend (KERAS_BACKEND,
-# TF_USE_LEGACY_KERAS: every rank must run the same Keras) by name, and every variable starting with one of
-# PASS_PREFIXES: HOROVOD_* (Horovod's settings), HVDTRAIN_*, PYTHON* (PYTHONPATH, ...), TF_CPP_*
-# (TensorFlow's logging), OMP_NUM_THREADS, NCCL_* (NCCL_DEBUG, NCCL_SOCKET_IFNAME, NCCL_IB_*,
-# ...: read by NCCL inside each rank, so they must reach the ranks), CUDA_* (CUDA_VISIBLE_DEVICES,
-# CUDA_DEVICE_ORDER, ...) and OMPI_MCA_* (Open MPI parameters). mpirun itself reads OMPI_MCA_*
-# from the environment it is started in, and Open MPI 4.x also exports every OMPI_* variable to
-# local and remote ranks on its own (mpirun(1), "Exported Environment Variables"); the `-x` makes
-# that explicit in the printed command line and does not depend on it. horovodrun forwards the
-# whole environment itself.
+# TF_USE_LEGACY_KERAS: every rank must run the same Keras) by name, and every variable starting
+# with one of PASS_PREFIXES: HOROVOD_* (Horovod's settings), HVDTRAIN_*, PYTHON* (PYTHONPATH, ...),
+# TF_CPP_* (TensorFlow's logging), OMP_NUM_THREADS, OMP_WAIT_POLICY and GOMP_* (the user's OpenMP
+# wait, which hvdtrain train keeps: tuning.openmp_spin), NCCL_* (NCCL_DEBUG, NCCL_SOCKET_IFNAME,
+# NCCL_IB_*, ...: read by NCCL inside each rank, so they must reach the ranks), CUDA_*
+# (CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER, ...) and OMPI_MCA_* (Open MPI parameters). mpirun
+# itself reads OMPI_MCA_* from the environment it is started in, and Open MPI 4.x also exports
+# every OMPI_* variable to local and remote ranks on its own (mpirun(1), "Exported Environment
+# Variables"); the `-x` makes that explicit in the printed command line and does not depend on it.
+# horovodrun forwards the whole environment itself.
 PASS_THROUGH = ("PATH", "LD_LIBRARY_PATH", "PYTORCH_CUDA_ALLOC_CONF", "TF_FORCE_GPU_ALLOW_GROWTH",
                 "KERAS_BACKEND", "TF_USE_LEGACY_KERAS")
-PASS_PREFIXES = ("HOROVOD_", "HVDTRAIN_", "PYTHON", "TF_CPP_", "OMP_NUM_THREADS", "NCCL_",
-                 "CUDA_", "OMPI_MCA_")
+PASS_PREFIXES = ("HOROVOD_", "HVDTRAIN_", "PYTHON", "TF_CPP_", "OMP_NUM_THREADS", "OMP_WAIT_POLICY",
+                 "GOMP_", "NCCL_", "CUDA_", "OMPI_MCA_")
 
 
 class HostfileError(ValueError):

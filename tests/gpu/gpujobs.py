@@ -330,7 +330,7 @@ class SharedRuns:
             "total_s": self._since(),
             "launches": self.launches,
             "cases": {n: {"ok": r.ok, "seconds": r.seconds} for n, r in self.results.items()},
-            "sides": {n: {"ok": r.ok, "exit": r.returncode, "seconds": r.seconds,
+            "sides": {n: {"ok": r.ok, "exit": r.returncode, "why": r.why, "seconds": r.seconds,
                           "after": self.sides[n].after}
                       for n, r in self.side_results.items()}}
         text = json.dumps(timings, indent=1) + "\n"

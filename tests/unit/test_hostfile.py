@@ -237,11 +237,13 @@ def test_mpirun_forwards_gpu_and_open_mpi_variables(tmp_path):
     env = {"PATH": "/bin", "NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "eth0",
            "OMPI_MCA_btl_tcp_if_include": "eth0", "CUDA_VISIBLE_DEVICES": "0,1",
            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "HOME": "/root",
-           "SSH_AUTH_SOCK": "/tmp/s"}
+           "SSH_AUTH_SOCK": "/tmp/s", "GOMP_SPINCOUNT": "300000", "OMP_WAIT_POLICY": "PASSIVE"}
     argv, out_env = hf.mpirun_argv(2, h, ["x"], env=env)
     forwarded = [argv[i + 1] for i, a in enumerate(argv) if a == "-x"]
-    assert forwarded == ["CUDA_VISIBLE_DEVICES", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME",
-                         "OMPI_MCA_btl_tcp_if_include", "PATH", "PYTORCH_CUDA_ALLOC_CONF"]
+    # the user's OpenMP wait reaches remote ranks, where hvdtrain train would set its own
+    assert forwarded == ["CUDA_VISIBLE_DEVICES", "GOMP_SPINCOUNT", "NCCL_DEBUG",
+                         "NCCL_SOCKET_IFNAME", "OMPI_MCA_btl_tcp_if_include", "OMP_WAIT_POLICY",
+                         "PATH", "PYTORCH_CUDA_ALLOC_CONF"]
     assert out_env == env
 
 
