@@ -393,8 +393,7 @@ def main(argv=None) -> dict:
         timing["rounds_s"].append(round(time.perf_counter() - round_start, 2))
         log(f"Round {r} took {timing['rounds_s'][-1]:.1f} s "
             f"({time.perf_counter() - started:.1f} s since the start)")
-        report["variants"] = results_of(kinds, iters, rounds, info.size)
-        if rank0 and args.json_out:
+        if rank0 and args.json_out:  # the round's time (its variants were written after each pair)
             write_json(args.json_out, report)
     timing.update(rounds=r, stopped_by="--rounds" if r >= args.rounds else "--time-budget")
     print_results(log, report["variants"], unit, info.size, loop_name)
