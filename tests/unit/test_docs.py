@@ -217,14 +217,16 @@ def test_every_command_the_docs_show_exists():
 # ---- environment variables ----------------------------------------------------------------------
 
 def test_every_hvdtrain_variable_is_documented():
+    """Every HVDTRAIN_* and GPU_CHECK_* variable the project's code, scripts and Makefile name is
+    in docs/reference/environment.md."""
+    names = r"\b(?:HVDTRAIN|GPU_CHECK)_[A-Z0-9_]*[A-Z0-9]\b"
     used = set()
     for folder in ("hvdtrain", "scripts", "slurm", "docker", "benchmarks"):
         for path in (ROOT / folder).rglob("*"):
             if path.is_file() and path.suffix in ("", ".py", ".sh", ".sbatch", ".yaml", ".yml") \
                     and "__pycache__" not in path.parts:
-                used |= set(re.findall(r"\bHVDTRAIN_[A-Z0-9_]*[A-Z0-9]\b",
-                                       path.read_text(errors="replace")))
-    used |= set(re.findall(r"\bHVDTRAIN_[A-Z0-9_]*[A-Z0-9]\b", (ROOT / "Makefile").read_text()))
+                used |= set(re.findall(names, path.read_text(errors="replace")))
+    used |= set(re.findall(names, (ROOT / "Makefile").read_text()))
     page = (DOCS / "reference" / "environment.md").read_text()
     missing = sorted(v for v in used if f"`{v}`" not in page)
     assert not missing, f"add to docs/reference/environment.md: {', '.join(missing)}"
