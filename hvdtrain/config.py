@@ -4,6 +4,7 @@ Global batch = local batch (``batch_size``) x ``backward_passes_per_step`` x ``s
 """
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import argparse
@@ -90,7 +91,8 @@ class TrainConfig:
     lr_min_ratio: float = option(0.1, "--lr-schedule cosine: the last step's rate as a "
                                  "fraction of the peak, in [0, 1] (nanoGPT: 0.1)")
     lr_steps: str = option("", "--lr-schedule step: comma-separated epochs (may be fractional) "
-                           "at which the rate drops by 10x, e.g. 30,60,80", metavar="EPOCHS")
+                           "at which the rate drops by 10x, after warmup and before the end (e.g. "
+                           "8,11 for 15 epochs with 2 of warmup)", metavar="EPOCHS")
     compression: str = option("none", "gradient compression for the all-reduce: none or fp16",
                               choices=COMPRESSIONS)
     op: str = option("average", "reduction of the gradients: average or adasum", choices=OPS,
@@ -219,8 +221,23 @@ class TrainConfig:
                                   warmup_epochs=0.0 if self.elastic else self.warmup_epochs,
                                   min_ratio=self.lr_min_ratio, step_epochs=epochs)
         except ValueError as exc:
-            raise ConfigError(f"--lr-steps {self.lr_steps!r}: {exc}; give epochs like "
-                              "30,60,80") from None
+            raise ConfigError(f"--lr-steps {self.lr_steps!r}: {exc}; {self._steps_advice()}") \
+                from None
+
+    def _steps_advice(self) -> str:
+        """What to give ``--lr-steps`` in this run: drops at about half and three quarters of
+        the epochs after warmup, whole epochs where they fit (e.g. 8,11 for 15 epochs with 2 of
+        warmup; 1.75,1.88 for 2 with 1.5), or, when warmup takes every epoch, what to change."""
+        start = 0.0 if self.elastic else self.warmup_epochs
+        if start >= self.epochs:
+            return (f"no epoch lies after {start:g} of warmup and before {self.epochs}: lower "
+                    "--warmup-epochs or raise --epochs")
+        picks = []
+        for at in (start + f * (self.epochs - start) for f in (0.5, 0.75)):
+            pick = math.floor(at) if math.floor(at) >= start else round(at, 2)
+            if pick not in picks:
+                picks.append(pick)
+        return "e.g. --lr-steps " + ",".join(f"{e:g}" for e in picks)
 
     def to_dict(self) -> dict:
         """A JSON-ready copy of the options."""
@@ -263,7 +280,8 @@ class TrainConfig:
         if self.lr_schedule == "step":
             if not self.lr_steps:
                 raise ConfigError("--lr-schedule step needs --lr-steps, the epochs at which the "
-                                  "rate drops 10x, e.g. --lr-steps 30,60,80")
+                                  "rate drops 10x (after warmup, before the end); "
+                                  + self._steps_advice())
             self.decay(1)  # the epochs parse and lie after warmup, before the end
         if self.fault_nan_at:
             self.fault()

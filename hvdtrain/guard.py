@@ -47,7 +47,7 @@ EVIDENCE = {
 
 
 def large_batch_warning(global_batch: int, train_samples: int, rule: str,
-                        scale_factor: float) -> str | None:
+                        scale_factor: float, elastic: bool = False) -> str | None:
     """The warning for a global batch past the range where ``rule`` was shown to hold, or None.
 
     Args:
@@ -59,6 +59,7 @@ def large_batch_warning(global_batch: int, train_samples: int, rule: str,
             (:func:`hvdtrain.schedule.scale_factor`). At 2 or less (two ranks, k = 1) the rule
             changes the rate too little to break it: no warning, which keeps small datasets
             such as digits at np=2 quiet.
+        elastic: an elastic run, which has no warmup and no ``-k`` (neither is suggested).
 
     Returns:
         One line naming the fraction of the training set per step, the evidence and what to try.
@@ -73,7 +74,8 @@ def large_batch_warning(global_batch: int, train_samples: int, rule: str,
             f"samples per optimizer step, past the {evidence.fraction:.2%} where {rule} scaling "
             f"was shown to hold ({evidence.source}); expect lower accuracy or divergence. Try "
             + ("--lr-scaling sqrt, " if rule == "linear" else "")
-            + "a longer --warmup-epochs, fewer ranks or a smaller -k")
+            + ("fewer ranks" if elastic
+               else "a longer --warmup-epochs, fewer ranks or a smaller -k"))
 
 
 class DivergenceError(RuntimeError):
@@ -111,8 +113,8 @@ def divergence(epochs: list, warmup_epochs: float, num_classes: int,
         num_classes: number of classes (chance accuracy is ``1 / num_classes``).
         lr_scaling: the run's scaling rule (``--lr-scaling sqrt`` is suggested only to a
             linear run).
-        warmup: whether the run can warm up (a longer ``--warmup-epochs`` is suggested only
-            then; elastic runs have no warmup).
+        warmup: whether the run can warm up and accumulate (a longer ``--warmup-epochs`` and a
+            smaller ``-k`` are suggested only then; elastic runs have neither).
 
     Returns:
         A message naming the epoch, the numbers compared and what to try.
@@ -134,6 +136,7 @@ def divergence(epochs: list, warmup_epochs: float, num_classes: int,
     sqrt = "use --lr-scaling sqrt, " if lr_scaling == "linear" else ""
     longer = "use a longer --warmup-epochs, " if warmup else ""
     after = " (after warmup)" if warmup else ""
+    smaller_k = " or a smaller -k" if warmup else ""
     return (f"training diverged in epoch {last.epoch}{after}: {why}. Lower --lr, {sqrt}"
-            f"{longer}or a smaller global batch (fewer ranks or a smaller -k); "
+            f"{longer}or a smaller global batch (fewer ranks{smaller_k}); "
             "--no-divergence-check trains on regardless")

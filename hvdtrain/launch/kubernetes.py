@@ -295,10 +295,12 @@ def add_emit_arguments(parser) -> None:
 
 
 def _slots(args) -> tuple[int | None, int]:
-    """``(slots per host, hosts)`` of --hostfile or -H (``(None, 0)`` when neither).
+    """``(slots per host, hosts)`` of --hostfile or -H (``(None, 0)`` when neither); with
+    ``--slots-per-worker``, the hosts may have different slots (theirs are not used).
 
     Raises:
-        ManifestError: hosts with different slots; HostfileError: a bad hostfile.
+        ManifestError: hosts with different slots and no --slots-per-worker; HostfileError: a
+            bad hostfile.
     """
     from hvdtrain.launch import hostfile as hf
     from hvdtrain.launch.plan import hosts_from_h
@@ -306,7 +308,7 @@ def _slots(args) -> tuple[int | None, int]:
         return None, 0
     hosts = hf.read_hostfile(args.hostfile) if args.hostfile else hosts_from_h(args.hosts_spec)
     counts = sorted({h.slots for h in hosts.hosts})
-    if len(counts) > 1:
+    if len(counts) > 1 and not args.slots_per_worker:
         raise ManifestError(f"{hosts.path} gives its hosts {counts} slots, but every worker pod "
                             "has the same slots: give --slots-per-worker N")
     return counts[0], len(hosts.hosts)

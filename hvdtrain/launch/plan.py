@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 from dataclasses import dataclass, field
 
@@ -88,8 +89,15 @@ def hosts_from_h(spec: str) -> hf.Hostfile:
     try:
         hosts = hf.parse_hostfile("\n".join(lines), "-H")
     except hf.HostfileError as exc:  # "hostfile -H line 2: ..." -> "-H 'a:1,b:x' host 2: ..."
-        raise hf.HostfileError(str(exc).replace("hostfile -H line ", f"-H {spec!r} host ", 1)
-                               .replace("merge them into one line", "name it once")) from None
+        message = str(exc).replace("hostfile -H line ", f"-H {spec!r} host ", 1).replace(
+            "merge them into one line", "name it once")
+        # -H writes slots as host:N, not slots=N
+        message = re.sub(r"'slots=(.*)' is not a whole number; write e\.g\. slots=2$",
+                         r"':\1' is not a whole number of slots; write e.g. -H node1:2,node2:2",
+                         message)
+        message = re.sub(r"'slots=(.*)' must be at least 1$",
+                         r"':\1': a host needs at least 1 slot", message)
+        raise hf.HostfileError(message) from None
     return hf.Hostfile(f"-H {spec}", hosts, bare=False, mpich=False, virtual=True)
 
 

@@ -79,12 +79,18 @@ def start(cfg, init: Callable[..., object]):
         :class:`~hvdtrain.run.preempt.Preemption`.
 
     Raises:
-        SystemExit: a ``--device`` this host cannot give every rank (on every rank).
+        SystemExit: a ``--device`` this host cannot give every rank, or ``--op adasum`` at a
+            world size that is not a power of 2 (Horovod 0.28.1's Adasum takes no other); on
+            every rank, before any work.
     """
     try:
         info = init(cfg.seed, device=cfg.device)
     except ValueError as exc:
         raise SystemExit(f"hvdtrain: error: --device {cfg.device}: {exc}") from None
+    if cfg.op == "adasum" and info.size & (info.size - 1):
+        raise SystemExit(f"hvdtrain: error: --op adasum needs a power-of-2 number of ranks "
+                         f"(Horovod 0.28.1 supports no other), got {info.size}: use --op average, "
+                         "or launch 2, 4, 8 ... ranks")
     setup_logging(info.rank)
     signals = preempt.taken()  # with any signal that came since install_early()
     warning = runtime.slurm_hosts_warning(info.hosts)

@@ -119,16 +119,19 @@ def this_host(allreduce_json: str | os.PathLike | None = None,
     ``alpha_beta`` summary gives that fit and no table.
 
     Raises:
-        FileNotFoundError: no results file (run ``benchmarks/allreduce.py``, or give
-            ``--intra-gbps`` and ``--latency-us``).
+        FileNotFoundError: no results file (run ``benchmarks/allreduce.py``, or describe the
+            cluster with ``--cluster custom``: ``--ranks-per-host``, ``--intra-gbps``,
+            ``--inter-gbps`` and ``--latency-us``).
         ValueError: the file has no times or fit of ``impl`` (the message says what to
             run).
     """
     found = find_allreduce_json(allreduce_json)
     if found is None:
+        wanted = f"{allreduce_json} (no such file)" if allreduce_json else \
+            f"{ALLREDUCE_JSON} (run benchmarks/allreduce.py)"
         raise FileNotFoundError(
-            "this-host needs benchmarks/results/allreduce.json (run benchmarks/allreduce.py), "
-            "or pass --cluster custom with --intra-gbps and --latency-us")
+            f"this-host needs {wanted}, or pass --cluster custom with --ranks-per-host, "
+            "--intra-gbps, --inter-gbps and --latency-us")
     data = json.loads(found.read_text())
     def has(series: str) -> bool:
         return series in data.get("seconds", {}) or series in data.get("alpha_beta", {})

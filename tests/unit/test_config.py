@@ -155,10 +155,11 @@ def test_a_datasets_recipe_fills_what_the_command_line_leaves_out(tmp_path):
 
 @pytest.mark.parametrize("kw,match", [
     (dict(lr_schedule="linear"), "--lr-schedule must be one of constant, cosine, step"),
-    (dict(lr_schedule="step"), "--lr-schedule step needs --lr-steps"),
+    (dict(lr_schedule="step"), "--lr-schedule step needs --lr-steps.*e.g. --lr-steps 8,11$"),
     (dict(lr_steps="30"), "--lr-steps is for --lr-schedule step"),
     (dict(lr_schedule="step", lr_steps="a,b"), "--lr-steps 'a,b'"),
-    (dict(lr_schedule="step", lr_steps="20", epochs=15), r"must lie in \[2, 15\)"),
+    (dict(lr_schedule="step", lr_steps="20", epochs=15),
+     r"must lie in \[2, 15\).*; e.g. --lr-steps 8,11$"),
     (dict(lr_min_ratio=-0.1), "--lr-min-ratio must be in"),
     (dict(lr_schedule="step", lr_steps="3,4,5,6,7,8,9,10,11", epochs=15),
      "at most 8 --lr-steps"),
@@ -166,6 +167,26 @@ def test_a_datasets_recipe_fills_what_the_command_line_leaves_out(tmp_path):
 def test_lr_schedule_options_are_checked_before_any_work(tmp_path, kw, match):
     with pytest.raises(ConfigError, match=match):
         cfg(tmp_path, **kw).validate()
+
+
+@pytest.mark.parametrize("epochs,warmup,elastic", [
+    (15, 2.0, False), (4, 1.0, False), (90, 5.0, False), (2, 1.5, False), (1, 0.0, False),
+    (3, 0.0, True)])
+def test_the_lr_steps_an_error_suggests_are_taken(tmp_path, epochs, warmup, elastic):
+    """The --lr-steps a refusal suggests lie after this run's warmup and before its end: given,
+    they pass (an example of 30,60,80 was refused at the default 15 epochs)."""
+    import re
+    options = dict(lr_schedule="step", epochs=epochs, warmup_epochs=warmup, elastic=elastic)
+    for bad in ("", str(epochs)):
+        with pytest.raises(ConfigError) as refused:
+            cfg(tmp_path, lr_steps=bad, **options).validate()
+        steps = re.search(r"e\.g\. --lr-steps (\S+)$", str(refused.value)).group(1)
+        cfg(tmp_path, lr_steps=steps, **options).validate()
+
+
+def test_a_fraction_of_an_epoch_is_suggested_where_no_whole_one_fits(tmp_path):
+    with pytest.raises(ConfigError, match=r"must lie in \[1.5, 2\).*e.g. --lr-steps 1.75,1.88$"):
+        cfg(tmp_path, lr_schedule="step", lr_steps="1", epochs=2, warmup_epochs=1.5).validate()
 
 
 @pytest.mark.parametrize("name,value", [

@@ -21,6 +21,15 @@ def test_linear_rule_warns_past_goyal_et_al_fraction_and_names_it():
     assert "--lr-scaling sqrt" in text and "-k" in text and "--warmup-epochs" in text
 
 
+def test_an_elastic_run_is_told_only_what_it_can_change():
+    """Elastic runs refuse --warmup-epochs and -k: the warning and the verdict leave them out."""
+    factor = schedule.scale_factor("linear", 4096 // 32)
+    text = guard.large_batch_warning(4096, 60000, "linear", factor, elastic=True)
+    assert text.endswith("Try --lr-scaling sqrt, fewer ranks")
+    why = guard.divergence(epochs((0.9, 0.70), (2.31, 0.1135)), 0, 10, warmup=False)
+    assert "(fewer ranks)" in why and "-k" not in why and "--warmup-epochs" not in why
+
+
 def test_sqrt_rule_has_its_own_range_and_none_never_warns():
     assert warning(256, "sqrt") is None  # 0.43 %: where sqrt was measured to hold
     text = warning(1024, "sqrt")  # 1.4 points below batch 32 in benchmarks/scaling_rule.py

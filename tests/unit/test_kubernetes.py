@@ -204,6 +204,13 @@ def test_bad_input_exits_2_before_anything_is_printed(capsys, args, message):
     assert err.startswith("hvdtrain: error: ") and message in err
 
 
+def test_hosts_with_different_slots_take_the_slots_per_worker_the_refusal_asks_for(capsys):
+    manifest, _ = emitted(capsys, "--emit", "mpijob", "--image", "x", "-H", "a:2,b:1",
+                          "--slots-per-worker", "2", "-np", "4")
+    assert manifest["spec"]["slotsPerWorker"] == 2
+    assert manifest["spec"]["mpiReplicaSpecs"]["Worker"]["replicas"] == 2
+
+
 def test_a_pvc_needs_an_absolute_output_dir(capsys):
     rc, out, err = emit(capsys, "--emit", "mpijob", "--image", "x", "-np", "2", "--pvc", "runs",
                         command=["hvdtrain", "train"])

@@ -281,8 +281,13 @@ def test_without_hostfile_the_launch_runs_on_this_host_and_takes_h(tmp_path):
         "node1", "node2"]
     with pytest.raises(PlanError, match="-np is required without --hostfile or -H"):
         plan(launch_args(np=None, hostfile=None), env={}, gpus=0)
-    with pytest.raises(PlanError, match="-H 'node1:x'.*'slots=x' is not a whole number"):
+    # -H's own syntax in the fix, not the hostfile's slots=N
+    with pytest.raises(PlanError, match=r"-H 'node1:x' host 1: ':x' is not a whole number of "
+                                        r"slots; write e.g. -H node1:2,node2:2$"):
         plan(launch_args(np=1, hostfile=None, hosts_spec="node1:x"), env={}, gpus=0)
+    with pytest.raises(PlanError, match=r"-H 'a:1,b:0' host 2: ':0': a host needs at least 1 "
+                                        r"slot$"):
+        plan(launch_args(np=1, hostfile=None, hosts_spec="a:1,b:0"), env={}, gpus=0)
     with pytest.raises(PlanError, match="-np 4 is more than the 3 slots"):
         plan(launch_args(np=4, hostfile=None, hosts_spec="node1:2,node2"), env={}, gpus=0)
 

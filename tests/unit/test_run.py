@@ -186,3 +186,17 @@ def test_finish_says_whether_the_ranks_agree(tmp_path):
     assert result["ranks_agree"] is True
     assert set(result) == set(RunHeader.__dataclass_fields__) | set(RUN_RESULTS)
     assert json.loads((tmp_path / "metrics.json").read_text())["ranks_agree"] is True
+
+
+@pytest.mark.parametrize("size", [3, 6])
+def test_adasum_at_a_world_size_horovod_cannot_take_is_refused_before_any_work(tmp_path, size):
+    """--op adasum at 3 ranks: Horovod 0.28.1's Adasum takes powers of 2 only. hvdtrain train
+    says so in its own terms (--op average) on every rank as soon as the size is known, before
+    logging or signal handlers are set up, instead of a traceback from distribute(). (At 2 ranks
+    it trains: tests/parallel.)"""
+    from hvdtrain.run import training
+    cfg = TrainConfig(output_dir=str(tmp_path), op="adasum", lr_scaling="none").validate()
+    info = RankInfo(rank=0, local_rank=0, size=size, local_size=size, threads=1, seed=42)
+    with pytest.raises(SystemExit, match=rf"--op adasum needs a power-of-2 number of ranks "
+                                         rf".*got {size}: use --op average"):
+        training.start(cfg, lambda seed, device: info)

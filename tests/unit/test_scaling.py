@@ -205,7 +205,10 @@ def test_this_host_from_allreduce_json(tmp_path):
     # One-host all-reduces come from the measured table: between points, and beyond the last.
     assert allreduce_seconds(2 * 10 ** 6, 2, c) == pytest.approx(3e-4 + 1e-3)
     assert allreduce_seconds(32 * 10 ** 6, 2, c) == pytest.approx(3e-4 + 16e-3)
-    with pytest.raises(FileNotFoundError, match="allreduce.py"):
+    # The file asked for is named, and --cluster custom with every option it needs.
+    with pytest.raises(FileNotFoundError, match=r"missing\.json \(no such file\), or pass "
+                       "--cluster custom with --ranks-per-host, --intra-gbps, --inter-gbps and "
+                       "--latency-us$"):
         clusters.this_host(tmp_path / "missing.json")
 
 
