@@ -312,7 +312,8 @@ def distribute(model: keras.Model, optimizer: keras.optimizers.Optimizer, *,
     Raises:
         ValueError: unknown ``lr_scaling``/``compression``/``op``/``on_nonfinite``, k < 1, an
             unbuilt model, a ``mixed_float16`` model without a ``LossScaleOptimizer``, one with
-            ``compression="fp16"``, an optimizer distributed twice, built already without accumulation
+            ``compression="fp16"``, an optimizer distributed twice, a model compiled with another
+            optimizer, an optimizer built already without accumulation
             when k > 1, or created with another ``gradient_accumulation_steps``, or a
             learning rate that is a plain callable.
     """

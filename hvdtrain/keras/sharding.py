@@ -22,8 +22,12 @@ def micro_batches_per_epoch(samples: int, batch_size: int, size: int,
         backward_passes_per_step: k.
 
     Raises:
-        ValueError: a rank's shard holds fewer than ``batch_size x k`` samples.
+        ValueError: ``batch_size`` or k below 1, or a rank's shard holds fewer than
+            ``batch_size x k`` samples.
     """
+    if batch_size < 1 or backward_passes_per_step < 1:
+        raise ValueError(f"batch_size and backward_passes_per_step must be >= 1; got "
+                         f"{batch_size} and {backward_passes_per_step}")
     per_rank = samples // size
     groups = per_rank // (batch_size * backward_passes_per_step)
     if groups < 1:
@@ -98,7 +102,8 @@ def shard_dataset(x: np.ndarray, y: np.ndarray, *, batch_size: int, seed: int = 
         start_batch: micro-batches of the stream already trained (``--resume``).
 
     Raises:
-        ValueError: ``x`` and ``y`` differ in length, or a shard is too small for one step.
+        ValueError: ``x`` and ``y`` differ in length, ``batch_size`` or k below 1, or a shard is
+            too small for one step.
     """
     rank, size = (info.rank, info.size) if info else (B.hvd.rank(), B.hvd.size())
     return ShardedDataset(x, y, batch_size=batch_size, rank=rank, size=size, seed=seed,

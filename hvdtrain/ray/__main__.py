@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPUs Ray reserves for each rank (default 1)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment variable for every rank (repeatable)")
-    p.add_argument("--nics", help="network interface(s) for Gloo, comma-separated (default: "
-                                  "the one holding each node's address)")
+    p.add_argument("--nics", help="network interface for Gloo (of a comma-separated list, the "
+                                  "first; default: the one holding each node's address)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
     return p
 

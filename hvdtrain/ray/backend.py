@@ -26,8 +26,9 @@ class HorovodConfig(BackendConfig):
     """Horovod (Gloo) for a Ray Train ``DataParallelTrainer``: pass it as ``backend_config``.
 
     Args:
-        nics: network interface(s) for Gloo, e.g. ``["eth0"]``; default: on each worker, the
-            interface holding its Ray node's address (``lo`` for 127.0.0.1).
+        nics: the network interface for Gloo, e.g. ``["eth0"]`` (of several, the first, as
+            Horovod's Gloo launcher takes); default: on each worker, the interface holding its
+            Ray node's address (``lo`` for 127.0.0.1).
         env: extra environment variables set in every worker before training starts.
     """
 

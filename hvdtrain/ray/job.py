@@ -24,7 +24,8 @@ class RayJobError(RuntimeError):
 
 def check_resources(num_workers: int, cpus_per_worker: float = 1.0) -> None:
     """Fail fast where Ray would wait forever: the connected cluster must have
-    ``num_workers * cpus_per_worker`` CPUs in all.
+    ``num_workers * cpus_per_worker`` CPUs in all, and its alive nodes room for ``num_workers``
+    ranks of ``cpus_per_worker`` CPUs each (a rank's CPUs are on one node).
 
     Raises:
         NotEnoughResourcesError: it has fewer (the message says how many, on how many nodes).
@@ -35,11 +36,21 @@ def check_resources(num_workers: int, cpus_per_worker: float = 1.0) -> None:
         raise ValueError(f"the number of ranks must be >= 1, not {num_workers}")
     have = ray.cluster_resources().get("CPU", 0.0)
     need = num_workers * cpus_per_worker
+    nodes = [n.get("Resources", {}).get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
     if have < need:
-        nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
         raise NotEnoughResourcesError(
             f"{num_workers} ranks need {need:g} CPUs ({cpus_per_worker:g} each) in the Ray "
-            f"cluster at once; it has {have:g} ({nodes} node(s)). Use fewer ranks or add nodes.")
+            f"cluster at once; it has {have:g} ({len(nodes)} node(s)). Use fewer ranks or add "
+            "nodes.")
+    room = sum(int(cpus // cpus_per_worker) for cpus in nodes) if cpus_per_worker > 0 \
+        else num_workers
+    if room < num_workers:
+        raise NotEnoughResourcesError(
+            f"{num_workers} ranks of {cpus_per_worker:g} CPUs each need that many CPUs on one "
+            f"node per rank; the Ray cluster's {len(nodes)} node(s) have "
+            f"{', '.join(f'{c:g}' for c in nodes)} CPUs: room for {room}. Lower "
+            "--cpus-per-rank (cpus_per_worker=), use fewer "
+            "ranks, or add larger nodes.")
 
 
 def restart_argv(command: list[str], attempt: int) -> list[str]:

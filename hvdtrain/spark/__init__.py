@@ -54,8 +54,9 @@ def run(main, num_proc: int, args: tuple = (), kwargs: dict | None = None, *, sp
         env: extra environment variables for every rank.
         stdout: a text stream for rank 0's output (default ``sys.stdout``).
         start_timeout: seconds to wait for the cluster to offer ``num_proc`` task slots.
-        nics: network interface(s) for Gloo, e.g. ``["eth0"]``; default: the interface
-            holding each executor's address.
+        nics: the network interface for Gloo, e.g. ``["eth0"]`` (of several, the first, as
+            Horovod's Gloo launcher takes); default: the interface holding each executor's
+            address.
         return_all: return every rank's value as a list by rank (``horovod.spark.run``'s
             return), not only rank 0's.
         verbose: print one line when the stage starts and when a task is lost (stderr).
@@ -67,7 +68,10 @@ def run(main, num_proc: int, args: tuple = (), kwargs: dict | None = None, *, sp
         NotEnoughSlotsError: the cluster has fewer than ``num_proc`` task slots (raised after
             at most ``start_timeout`` s; the message says how many it has).
         SparkJobError: a rank raised or exited non-zero (the message quotes its last output),
-            or a task was lost with its executor (the message names the rank and task).
+            or a task was lost with its executor (the message names the rank and task); before
+            any task, pyspark missing, ``spark`` neither a SparkSession nor a SparkContext, or a
+            Spark Connect session (given, or made under ``SPARK_REMOTE``), which has no
+            SparkContext for barrier mode.
         ValueError: ``num_proc`` is 0.
     """
     import cloudpickle
@@ -125,6 +129,9 @@ class HorovodRunner:
             check, as in Databricks' runner).
         driver_log_verbosity: ``"all"`` (default here) streams rank 0's output to the driver;
             ``"log_callback_only"`` (Databricks' default) keeps it in the executors' logs.
+
+    Raises:
+        ValueError: another ``driver_log_verbosity``.
     """
 
     def __init__(self, np: int, driver_log_verbosity: str = "all"):

@@ -36,8 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Spark setting for the session (repeatable)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment variable for every rank (repeatable)")
-    p.add_argument("--nics", help="network interface(s) for Gloo, comma-separated (default: "
-                                  "the one holding each executor's address)")
+    p.add_argument("--nics", help="network interface for Gloo (of a comma-separated list, the "
+                                  "first; default: the one holding each executor's address)")
     p.add_argument("--start-timeout", type=float, default=10.0,
                    help="seconds to wait for enough task slots (default 10)")
     p.add_argument("--log-level", default="WARN", help="Spark's log level (default WARN)")
@@ -60,12 +60,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hvdtrain: error: {problem}", file=sys.stderr)
         return 2
     import hvdtrain.spark as hs
+    from hvdtrain.spark.driver import active_context
     nics = args.nics.split(",") if args.nics else None
     sc = None
     created = False
     try:
         if args.np > 0:
-            sc, created = _context(args.master, conf)
+            # a Spark Connect session (SPARK_REMOTE) is refused there with SparkJobError
+            sc, created = active_context(master=args.master, conf=conf)
             sc.setLogLevel(args.log_level)
         return hs.run_command(command, args.np, spark=sc, env=env, nics=nics,
                               start_timeout=args.start_timeout)
@@ -80,24 +82,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if created:
             sc.stop()
-
-
-def _context(master: str | None, conf: dict[str, str]):
-    from hvdtrain.spark.driver import SESSION_CONF, SparkJobError
-    try:
-        from pyspark import SparkContext
-    except ImportError as exc:
-        raise SparkJobError("pyspark is not installed: pip install 'hvdtrain[spark]' (or bash "
-                            "scripts/setup_engines.sh in a checkout)") from exc
-    if SparkContext._active_spark_context is not None and not master and not conf:
-        return SparkContext._active_spark_context, False
-    from pyspark.sql import SparkSession
-    builder = SparkSession.builder.appName("hvdtrain")
-    if master:
-        builder = builder.master(master)
-    for key, value in {**SESSION_CONF, **conf}.items():
-        builder = builder.config(key, value)
-    return builder.getOrCreate().sparkContext, True
 
 
 if __name__ == "__main__":

@@ -50,10 +50,12 @@ class NotEnoughSlotsError(SparkJobError):
     all at once)."""
 
 
-def active_context(spark=None, master: str | None = None, app_name: str = "hvdtrain"):
+def active_context(spark=None, master: str | None = None, app_name: str = "hvdtrain",
+                   conf: dict[str, str] | None = None):
     """The SparkContext to run on: ``spark`` (a SparkSession or SparkContext), else the active
-    one, else a new session (``master`` or what ``spark-submit``/``spark-defaults.conf`` say,
-    with :data:`SESSION_CONF`).
+    one (when neither ``master`` nor ``conf`` is given), else a new session (``master`` or what
+    ``spark-submit``/``spark-defaults.conf`` say, with :data:`SESSION_CONF` and ``conf``, which
+    wins).
 
     Returns:
         ``(context, created)``: ``created`` is True when this call made the session.
@@ -80,13 +82,13 @@ def active_context(spark=None, master: str | None = None, app_name: str = "hvdtr
                             f"{type(spark).__name__} {spark!r:.80}; leave it out to use the "
                             f"active session (or a new one from spark-submit's settings)")
     active = SparkContext._active_spark_context
-    if active is not None:
+    if active is not None and not master and not conf:
         return active, False
     from pyspark.sql import SparkSession
     builder = SparkSession.builder.appName(app_name)
     if master:
         builder = builder.master(master)
-    for key, value in SESSION_CONF.items():
+    for key, value in {**SESSION_CONF, **(conf or {})}.items():
         builder = builder.config(key, value)
     session = builder.getOrCreate()
     if is_connect_session(session):  # SPARK_REMOTE (or spark.api.mode=connect) chose Connect

@@ -304,7 +304,8 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
 
     Raises:
         ValueError: an unknown ``lr_scaling``/``compression``/``op``, ``"linear"`` with
-            ``"adasum"``, k < 1, an optimizer that does not hold exactly the model's parameters,
+            ``"adasum"``, k < 1, an optimizer holding parameters that are not the model's (a subset,
+            e.g. with frozen layers, is fine),
             a scheduler built before ``distribute`` while the rate is scaled, ``"adasum"`` on a
             number of ranks that is not a power of 2, ``sync_batchnorm=True`` for a model
             not on a GPU, or an optimizer that is already distributed (returned by

@@ -239,6 +239,13 @@ def test_bad_input_fails_fast(ray_cluster, tmp_path):
     assert seconds < 30
     assert "3 ranks need 3 CPUs (1 each) in the Ray cluster at once; it has 2 (2 node(s))" \
         in proc.stderr
+    # 2 CPUs in all, but one per node: a rank of 2 CPUs fits on neither (Ray would wait).
+    proc = run(ray_train(ray_cluster, tmp_path / "z", tmp_path / "storage", "--dataset",
+                         "digits", np_=1, extra=("--cpus-per-rank", "2")), timeout=120,
+               check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert ("1 ranks of 2 CPUs each need that many CPUs on one node per rank; the Ray "
+            "cluster's 2 node(s) have 1, 1 CPUs: room for 0") in proc.stderr
     bad = run(ray_train(ray_cluster, tmp_path / "y", tmp_path / "storage", "--epochs", "0"),
               timeout=60, check=False)
     assert bad.returncode == 2 and "--epochs must be a whole number >= 1" in bad.stderr

@@ -8,6 +8,8 @@ makes PySpark take an ephemeral one, as PySpark's own tests do). Writes what eac
 OUT.json; tests/spark/test_spark_engine.py asserts.
 """
 import json
+import os
+import subprocess
 import sys
 
 
@@ -39,6 +41,13 @@ def main():
             "run": outcome(lambda: hs.run(job, num_proc=1, spark=session)),
             "run_command": outcome(lambda: hs.run_command(["true"], num_proc=1, spark=session)),
         }
+        # The command line, told by SPARK_REMOTE to use this server (as a user's shell would):
+        # its session is made by getOrCreate(), which returns a Connect session there.
+        remote = f"sc://{session.client._builder.endpoint}"
+        cli = subprocess.run([sys.executable, "-m", "hvdtrain.spark", "-np", "1", "--", "true"],
+                             env={**os.environ, "SPARK_REMOTE": remote}, capture_output=True,
+                             text=True, timeout=240)
+        result["cli"] = {"remote": remote, "rc": cli.returncode, "stderr": cli.stderr[-3000:]}
     finally:
         session.stop()
     with open(sys.argv[1], "w") as f:

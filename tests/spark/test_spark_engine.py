@@ -255,6 +255,12 @@ def test_a_spark_connect_session_is_refused_with_the_documented_error(tmp_path):
         assert r[call]["error"] == "SparkJobError", r[call]
         assert r[call]["message"].startswith("hvdtrain.spark needs classic Spark"), r[call]
         assert "Spark Connect session" in r[call]["message"]
+    # python -m hvdtrain.spark with SPARK_REMOTE set: the same message, exit 1, no traceback
+    # (its own session code asked the Connect session for sparkContext and crashed before)
+    cli = r["cli"]
+    assert cli["remote"].startswith("sc://") and cli["rc"] == 1, cli
+    assert "hvdtrain.spark: error: hvdtrain.spark needs classic Spark" in cli["stderr"], cli
+    assert "Traceback" not in cli["stderr"], cli
 
 
 def test_a_ranks_own_children_end_with_it_on_the_executors(spark_cluster, tmp_path):

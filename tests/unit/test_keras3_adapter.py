@@ -76,6 +76,16 @@ def test_uneven_shards_have_equal_whole_groups():
     assert all(len(s[5][0]) == 4 for s in shards)  # the last batch is full (wraps around)
 
 
+@pytest.mark.parametrize("batch_size,k", [(0, 1), (4, 0), (-2, 1)])
+def test_a_batch_or_k_below_one_is_refused_by_name(batch_size, k):
+    """Not a ZeroDivisionError from the epoch's length: a ValueError naming both."""
+    x, y = np.zeros((45, 1), np.float32), np.arange(45)
+    with pytest.raises(ValueError, match=rf"batch_size and backward_passes_per_step must be >= "
+                                         rf"1; got {batch_size} and {k}"):
+        hk.ShardedDataset(x, y, batch_size=batch_size, rank=0, size=2,
+                          backward_passes_per_step=k)
+
+
 def train(steps_per_execution: int) -> list:
     hk.init(seed=0)
     model, optimizer = hk.distribute(build_model(), keras.optimizers.SGD(0.05, momentum=0.9),
