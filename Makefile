@@ -17,7 +17,7 @@ setup:
 	bash scripts/setup.sh
 	bash scripts/setup_engines.sh $(PY)  # Spark (+ a JRE) and Ray for hvdtrain.spark, hvdtrain.ray; HVDTRAIN_ENGINES
 
-# The main job (README): MNIST with its recipe (hvdtrain/datasets/recipes.py), 2 processes,
+# The main job (docs/quickstart.md): MNIST with its recipe (hvdtrain/datasets/recipes.py), 2 processes,
 # PyTorch and Keras on both backends, >= 98.9 %.
 MNIST := --dataset mnist
 demo: setup
