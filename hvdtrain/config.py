@@ -226,18 +226,25 @@ class TrainConfig:
 
     def _steps_advice(self) -> str:
         """What to give ``--lr-steps`` in this run: drops at about half and three quarters of
-        the epochs after warmup, whole epochs where they fit (e.g. 8,11 for 15 epochs with 2 of
-        warmup; 1.75,1.88 for 2 with 1.5), or, when warmup takes every epoch, what to change."""
+        the epochs after warmup, each strictly after warmup's end and before the last epoch's
+        end (:func:`hvdtrain.schedule.decay`'s rule), whole epochs where they fit (e.g. 8,11 for
+        15 epochs with 2 of warmup; 1.75,1.88 for 2 with 1.5), or what to change when none
+        fits."""
         start = 0.0 if self.elastic else self.warmup_epochs
-        if start >= self.epochs:
-            return (f"no epoch lies after {start:g} of warmup and before {self.epochs}: lower "
-                    "--warmup-epochs or raise --epochs")
+        if not (math.isfinite(start) and start >= 0):
+            return "give --warmup-epochs a number >= 0 first"
         picks = []
         for at in (start + f * (self.epochs - start) for f in (0.5, 0.75)):
-            pick = math.floor(at) if math.floor(at) >= start else round(at, 2)
-            if pick not in picks:
-                picks.append(pick)
-        return "e.g. --lr-steps " + ",".join(f"{e:g}" for e in picks)
+            # a whole epoch after warmup's end, else the point itself, shortened where that
+            # stays inside (start, epochs); printed so that it parses back to the same number
+            fits = [e for e in (math.floor(at), round(at, 2), round(at, 4), at)
+                    if start < e < self.epochs]
+            if fits and fits[0] not in picks:
+                picks.append(fits[0])
+        if not picks:
+            return (f"no epoch lies after {start:g} of warmup and before {self.epochs}: lower "
+                    "--warmup-epochs or raise --epochs")
+        return "e.g. --lr-steps " + ",".join(str(e) for e in picks)
 
     def to_dict(self) -> dict:
         """A JSON-ready copy of the options."""

@@ -308,7 +308,7 @@ def _slots(args) -> tuple[int | None, int]:
         return None, 0
     hosts = hf.read_hostfile(args.hostfile) if args.hostfile else hosts_from_h(args.hosts_spec)
     counts = sorted({h.slots for h in hosts.hosts})
-    if len(counts) > 1 and not args.slots_per_worker:
+    if len(counts) > 1 and args.slots_per_worker is None:
         raise ManifestError(f"{hosts.path} gives its hosts {counts} slots, but every worker pod "
                             "has the same slots: give --slots-per-worker N")
     return counts[0], len(hosts.hosts)
@@ -340,7 +340,7 @@ def emit(args) -> tuple[str, list[str]]:
         host_slots, n_hosts = _slots(args)
     except hf.HostfileError as exc:
         raise ManifestError(str(exc)) from None
-    slots = args.slots_per_worker or host_slots or 1
+    slots = args.slots_per_worker if args.slots_per_worker is not None else host_slots or 1
     np_ = args.np if args.np is not None or not n_hosts else slots * n_hosts
     if np_ is None or np_ < 1:
         raise ManifestError("--emit needs -np N (the ranks in all), e.g. -np 4 "

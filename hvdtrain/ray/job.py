@@ -42,8 +42,9 @@ def check_resources(num_workers: int, cpus_per_worker: float = 1.0) -> None:
             f"{num_workers} ranks need {need:g} CPUs ({cpus_per_worker:g} each) in the Ray "
             f"cluster at once; it has {have:g} ({len(nodes)} node(s)). Use fewer ranks or add "
             "nodes.")
-    room = sum(int(cpus // cpus_per_worker) for cpus in nodes) if cpus_per_worker > 0 \
-        else num_workers
+    # in Ray's own unit of a resource, 1/10000 (exact: 1 // 0.1 is 9.0 in floats)
+    units = round(cpus_per_worker * 10_000)
+    room = sum(round(cpus * 10_000) // units for cpus in nodes) if units > 0 else num_workers
     if room < num_workers:
         raise NotEnoughResourcesError(
             f"{num_workers} ranks of {cpus_per_worker:g} CPUs each need that many CPUs on one "
@@ -131,7 +132,8 @@ def run_command(command: list[str], num_workers: int, *, max_failures: int = 0,
         storage_path: Ray Train's storage for the run (default: Ray's, ``~/ray_results``).
         name: the run's name in that storage (default: Ray's).
         env: extra environment variables for every rank.
-        nics: network interface(s) for Gloo (default: the one of each node's address).
+        nics: the network interface for Gloo (of several, the first; default: the one of each
+            node's address).
         cpus_per_worker: CPUs Ray reserves per rank.
 
     Returns:

@@ -84,6 +84,10 @@ def active_context(spark=None, master: str | None = None, app_name: str = "hvdtr
     active = SparkContext._active_spark_context
     if active is not None and not master and not conf:
         return active, False
+    # SPARK_REMOTE makes getOrCreate() return a Connect session, or (with a master given) raise
+    # pyspark's CANNOT_CONFIGURE_SPARK_CONNECT_MASTER before any session exists
+    if os.environ.get("SPARK_REMOTE") or (conf or {}).get("spark.api.mode") == "connect":
+        raise SparkJobError(_CONNECT_MESSAGE + " (SPARK_REMOTE or spark.api.mode=connect is set)")
     from pyspark.sql import SparkSession
     builder = SparkSession.builder.appName(app_name)
     if master:

@@ -171,7 +171,7 @@ def test_lr_schedule_options_are_checked_before_any_work(tmp_path, kw, match):
 
 @pytest.mark.parametrize("epochs,warmup,elastic", [
     (15, 2.0, False), (4, 1.0, False), (90, 5.0, False), (2, 1.5, False), (1, 0.0, False),
-    (3, 0.0, True)])
+    (2, 1.0, False), (2, 1.98, False), (1, 0.995, False), (3, 0.0, True), (1, 2.0, True)])
 def test_the_lr_steps_an_error_suggests_are_taken(tmp_path, epochs, warmup, elastic):
     """The --lr-steps a refusal suggests lie after this run's warmup and before its end: given,
     they pass (an example of 30,60,80 was refused at the default 15 epochs)."""
@@ -181,6 +181,8 @@ def test_the_lr_steps_an_error_suggests_are_taken(tmp_path, epochs, warmup, elas
         with pytest.raises(ConfigError) as refused:
             cfg(tmp_path, lr_steps=bad, **options).validate()
         steps = re.search(r"e\.g\. --lr-steps (\S+)$", str(refused.value)).group(1)
+        start = 0.0 if elastic else warmup  # elastic runs have no warmup
+        assert all(start < float(e) < epochs for e in steps.split(",")), steps  # not at its end
         cfg(tmp_path, lr_steps=steps, **options).validate()
 
 

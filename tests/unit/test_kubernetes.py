@@ -197,6 +197,8 @@ def test_resume_auto_is_added_once_and_only_to_hvdtrain_train():
     (["--emit", "trainjob", "--image", "x", "-np", "2", "--elastic"],
      "--emit writes an mpirun launch"),
     (["--emit", "mpijob", "--image", "x", "-H", "a:2,b:1"], "every worker pod has the same slots"),
+    (["--emit", "mpijob", "--image", "x", "-H", "a:2,b:2", "--slots-per-worker", "0", "-np", "4"],
+     "--slots-per-worker must be at least 1, got 0"),
 ])
 def test_bad_input_exits_2_before_anything_is_printed(capsys, args, message):
     rc, out, err = emit(capsys, *args)

@@ -200,3 +200,17 @@ def test_adasum_at_a_world_size_horovod_cannot_take_is_refused_before_any_work(t
     with pytest.raises(SystemExit, match=rf"--op adasum needs a power-of-2 number of ranks "
                                          rf".*got {size}: use --op average"):
         training.start(cfg, lambda seed, device: info)
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_adasum_at_a_power_of_2_ranks_starts(tmp_path, monkeypatch, size):
+    """The sizes Horovod's Adasum takes go on (logging and the signal handlers, which would
+    change this pytest process, replaced by stand-ins that record the call)."""
+    from hvdtrain.run import training
+    calls = []
+    monkeypatch.setattr(training, "setup_logging", lambda rank: calls.append(("logging", rank)))
+    monkeypatch.setattr(training.preempt, "taken", lambda: calls.append("signals") or "taken")
+    cfg = TrainConfig(output_dir=str(tmp_path), op="adasum", lr_scaling="none").validate()
+    info = RankInfo(rank=0, local_rank=0, size=size, local_size=size, threads=1, seed=42)
+    assert training.start(cfg, lambda seed, device: info) == (info, "taken")
+    assert calls == [("logging", 0), "signals"]
