@@ -115,6 +115,11 @@ def _groups(batches: Iterable[Any], backward_passes_per_step: int,
                                     loss_weight=n / total, sync=(i == len(group) - 1))
 
 
+def adasum_takes(size: int) -> bool:
+    """Whether Horovod 0.28.1's Adasum runs at world size ``size``: a power of 2 only."""
+    return size >= 1 and not size & (size - 1)
+
+
 def check_distribute_args(backward_passes_per_step, compression: str, op: str,
                           compressions, ops) -> None:
     """The argument checks both adapters' ``distribute`` share.

@@ -218,11 +218,16 @@ class TrainConfig:
             epochs = tuple(float(e) for e in self.lr_steps.split(",") if e.strip())
             return schedule.decay(self.lr_schedule, epochs=self.epochs,
                                   steps_per_epoch=steps_per_epoch,
-                                  warmup_epochs=0.0 if self.elastic else self.warmup_epochs,
+                                  warmup_epochs=self._warmup,
                                   min_ratio=self.lr_min_ratio, step_epochs=epochs)
         except ValueError as exc:
             raise ConfigError(f"--lr-steps {self.lr_steps!r}: {exc}; {self._steps_advice()}") \
                 from None
+
+    @property
+    def _warmup(self) -> float:
+        """The warmup this run has, in epochs: ``warmup_epochs``; none for elastic runs."""
+        return 0.0 if self.elastic else self.warmup_epochs
 
     def _steps_advice(self) -> str:
         """What to give ``--lr-steps`` in this run: drops at about half and three quarters of
@@ -230,7 +235,7 @@ class TrainConfig:
         end (:func:`hvdtrain.schedule.decay`'s rule), whole epochs where they fit (e.g. 8,11 for
         15 epochs with 2 of warmup; 1.75,1.88 for 2 with 1.5), or what to change when none
         fits."""
-        start = 0.0 if self.elastic else self.warmup_epochs
+        start = self._warmup
         if not (math.isfinite(start) and start >= 0):
             return "give --warmup-epochs a number >= 0 first"
         picks = []

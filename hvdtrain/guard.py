@@ -47,7 +47,7 @@ EVIDENCE = {
 
 
 def large_batch_warning(global_batch: int, train_samples: int, rule: str,
-                        scale_factor: float, elastic: bool = False) -> str | None:
+                        scale_factor: float, warmup: bool = True) -> str | None:
     """The warning for a global batch past the range where ``rule`` was shown to hold, or None.
 
     Args:
@@ -59,7 +59,8 @@ def large_batch_warning(global_batch: int, train_samples: int, rule: str,
             (:func:`hvdtrain.schedule.scale_factor`). At 2 or less (two ranks, k = 1) the rule
             changes the rate too little to break it: no warning, which keeps small datasets
             such as digits at np=2 quiet.
-        elastic: an elastic run, which has no warmup and no ``-k`` (neither is suggested).
+        warmup: whether the run can warm up and accumulate (as in :func:`divergence`: a
+            longer ``--warmup-epochs`` and a smaller ``-k`` are suggested only then).
 
     Returns:
         One line naming the fraction of the training set per step, the evidence and what to try.
@@ -74,8 +75,8 @@ def large_batch_warning(global_batch: int, train_samples: int, rule: str,
             f"samples per optimizer step, past the {evidence.fraction:.2%} where {rule} scaling "
             f"was shown to hold ({evidence.source}); expect lower accuracy or divergence. Try "
             + ("--lr-scaling sqrt, " if rule == "linear" else "")
-            + ("fewer ranks" if elastic
-               else "a longer --warmup-epochs, fewer ranks or a smaller -k"))
+            + ("a longer --warmup-epochs, fewer ranks or a smaller -k" if warmup
+               else "fewer ranks"))
 
 
 class DivergenceError(RuntimeError):

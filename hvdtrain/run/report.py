@@ -123,7 +123,7 @@ def run_header(framework: str, cfg, info, train_samples: int, test_samples: int,
     warning = guard.large_batch_warning(cfg.global_batch(info.size), train_samples,
                                         cfg.lr_scaling, schedule.scale_factor(cfg.lr_scaling,
                                                                               info.size, k),
-                                        elastic=bool(cfg.elastic))
+                                        warmup=not cfg.elastic)
     if warning and info.rank == 0:
         log.warning("warning: %s", warning)
     if cfg.recipe:

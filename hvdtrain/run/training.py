@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hvdtrain import runtime
+from hvdtrain.accumulation import adasum_takes
 from hvdtrain.files import CheckpointError
 from hvdtrain.run import preempt
 from hvdtrain.run.hooks import Hooks
@@ -87,7 +88,7 @@ def start(cfg, init: Callable[..., object]):
         info = init(cfg.seed, device=cfg.device)
     except ValueError as exc:
         raise SystemExit(f"hvdtrain: error: --device {cfg.device}: {exc}") from None
-    if cfg.op == "adasum" and info.size & (info.size - 1):
+    if cfg.op == "adasum" and not adasum_takes(info.size):
         raise SystemExit(f"hvdtrain: error: --op adasum needs a power-of-2 number of ranks "
                          f"(Horovod 0.28.1 supports no other), got {info.size}: use --op average, "
                          "or launch 2, 4, 8 ... ranks")

@@ -24,7 +24,7 @@ import torch
 
 from hvdtrain import runtime, schedule
 from hvdtrain.launch import tuning
-from hvdtrain.accumulation import check_distribute_args
+from hvdtrain.accumulation import adasum_takes, check_distribute_args
 from hvdtrain.torch.buffers import dense_layout_tensors_, convert_sync_batchnorm
 from hvdtrain.torch.optimizer import DenseLayout, accept_ddp_idioms
 # Also importable from here (the trainers call adapter.allreduce_sums, ...).
@@ -320,7 +320,7 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
             "change backward_passes_per_step on it: optimizer.set_backward_passes_per_step(k))")
     check_distribute_args(backward_passes_per_step, compression, op, _COMPRESSIONS, _OPS)
     size = hvd.size()
-    if op == "adasum" and size & (size - 1):
+    if op == "adasum" and not adasum_takes(size):
         raise ValueError(f"op='adasum' needs a power-of-2 number of ranks (Horovod 0.28.1 "
                          f"supports no other), got {size}; use op='average' or 2, 4, 8 ... ranks")
     lr_scaling = schedule.resolve_lr_scaling(lr_scaling, op)

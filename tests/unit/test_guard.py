@@ -24,7 +24,7 @@ def test_linear_rule_warns_past_goyal_et_al_fraction_and_names_it():
 def test_an_elastic_run_is_told_only_what_it_can_change():
     """Elastic runs refuse --warmup-epochs and -k: the warning and the verdict leave them out."""
     factor = schedule.scale_factor("linear", 4096 // 32)
-    text = guard.large_batch_warning(4096, 60000, "linear", factor, elastic=True)
+    text = guard.large_batch_warning(4096, 60000, "linear", factor, warmup=False)
     assert text.endswith("Try --lr-scaling sqrt, fewer ranks")
     why = guard.divergence(epochs((0.9, 0.70), (2.31, 0.1135)), 0, 10, warmup=False)
     assert "(fewer ranks)" in why and "-k" not in why and "--warmup-epochs" not in why
