@@ -304,7 +304,10 @@ def main(argv=None) -> dict:
               "timed_window": window, "samples_timed": samples_timed,
               "allreduces": allreduces,
               "allreduces_per_sample": (allreduces / samples_timed) if allreduces else None,
-              "threads": _threads(args.framework)}
+              "threads": _threads(args.framework),
+              # what carried the collectives: horovodrun --gloo, Spark, Ray and elastic ranks
+              # run Horovod's controller and CPU operations over Gloo, horovodrun and mpirun MPI
+              "controller": None if hvd is None else ("gloo" if hvd.gloo_enabled() else "mpi")}
     log("JSON " + json.dumps(result))
     if rank == 0 and args.json_out:
         with open(args.json_out, "w") as f:

@@ -1,0 +1,176 @@
+"""Horovod over Gloo against Horovod over MPI, and what this build's Gloo patch is worth.
+
+Ranks that Spark (HorovodRunner), Ray, ``--elastic`` or ``horovodrun --gloo`` start carry
+Horovod's collectives over Gloo's TCP transport; ``horovodrun``, ``mpirun`` and ``srun`` use MPI.
+Three variants of one 2-rank job (``benchmarks/synthetic.py``, PyTorch, hvdtrain mode, global batch
+as in ``vs_single.py``), each a real launch with plain ``horovodrun -np 2`` the way a user starts
+it, run interleaved for ``--repeats`` rounds with their order turned by one each round:
+
+* ``MPI``: ``horovodrun -np 2``
+* ``Gloo``: ``horovodrun --gloo -np 2`` (this build: Gloo's event loop yields its core while a
+  pair is locked, Horovod patch 13, ``scripts/horovod_patches/13-gloo-loop-yields.patch``)
+* ``Gloo spin``: the same with ``HOROVOD_GLOO_LOOP_YIELD=0``, upstream's loop that spins on
+  ``epoll_wait`` until the pair is free (left out, with a note, on a Horovod without patch 13)
+
+Each run's JSON says which controller carried it (``controller``: gloo or mpi), checked against
+the variant. The table gives the median and min-max of the total samples/s and the ratios of
+medians (``Gloo / Gloo spin``: the patch; ``Gloo / MPI``: what Gloo still costs), with each
+round's own ratio (its two runs made minutes apart at most).
+
+Run::
+
+    .venv/bin/python benchmarks/gloo.py [--repeats 5] [--models mnist,cnn,dense] [--readme]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import common
+import vs_single
+
+MPI, GLOO, SPIN = "MPI", "Gloo", "Gloo spin"
+VARIANTS = (MPI, GLOO, SPIN)
+MODELS = ("mnist", "cnn", "dense", "gpt")
+PAIRS = {"Gloo / Gloo spin": (GLOO, SPIN), "Gloo / MPI": (GLOO, MPI),
+         "Gloo spin / MPI": (SPIN, MPI)}
+
+
+def gloo_loop_yields() -> bool:
+    """Whether the installed Horovod has hvdtrain's patch 13 (``horovod.common.basics``
+    ``GLOO_LOOP_YIELD``): only then does ``HOROVOD_GLOO_LOOP_YIELD=0`` bring upstream's loop
+    back, so only then is ``Gloo spin`` a different variant."""
+    import horovod.common.basics as basics
+    return bool(getattr(basics, "GLOO_LOOP_YIELD", 0))
+
+
+def variants(model: str, args) -> dict:
+    """``{variant: measure}`` for one model: ``measure()`` makes one run and returns its total
+    samples/s.
+
+    Raises (from ``measure()``):
+        RuntimeError: the job failed, or its ranks ran over another controller than the
+            variant names (``--gloo`` not honoured, say).
+    """
+    batch = vs_single.GLOBAL_BATCH[model]
+    command = [sys.executable, str(common.HERE / "synthetic.py"), "--framework", "torch",
+               "--model", model, "--mode", "hvdtrain", "--batch-size", str(batch // args.np),
+               "--num-warmup-batches", str(args.warmup), "--num-batches-per-iter",
+               str(args.batches or vs_single.ITER_STEPS[model]), "--num-iters", str(args.iters)]
+    env = common.base_env(False)  # a user's shell: no HOROVOD_* and no Open MPI yield setting
+
+    def one(extra: tuple[str, ...], controller: str, **more: str):
+        def measure() -> float:
+            out = common.run_json(common.horovodrun(args.np, command, extra), {**env, **more})
+            if out.get("controller") != controller:
+                raise RuntimeError(f"{model}: expected the job over {controller}, its ranks "
+                                   f"report {out.get('controller')!r}")
+            return out["total_img_sec"]
+        return measure
+
+    runs = {MPI: one((), "mpi"), GLOO: one(("--gloo",), "gloo"),
+            SPIN: one(("--gloo",), "gloo", HOROVOD_GLOO_LOOP_YIELD="0")}
+    return {name: run for name, run in runs.items() if name in args.variants}
+
+
+def summarise(samples: dict[str, list[float]]) -> dict:
+    """Median, min, max and max/min of each variant's samples/s, the ratios of medians
+    (:data:`PAIRS`) and each round's own ratios."""
+    stats = {name: {"median": common.median(v), "min": min(v), "max": max(v),
+                    "spread": max(v) / min(v), "runs": v} for name, v in samples.items()}
+    med = {name: s["median"] for name, s in stats.items()}
+    ratios = {name: med[a] / med[b] for name, (a, b) in PAIRS.items() if a in med and b in med}
+    return {"stats": stats, "ratios": ratios,
+            "round_ratios": vs_single.round_ratios(stats, PAIRS)}
+
+
+def render(results: dict, repeats: int, note: str = "") -> str:
+    """The README table of :func:`summarise`'s results (``{model: summary}``)."""
+    rows = []
+    for model, res in results.items():
+        s, ratio, rounds = res["stats"], res["ratios"], res["round_ratios"]
+
+        def cell(name):
+            if name not in s:
+                return "-"
+            return f"{s[name]['median']:,.0f} ({s[name]['min']:,.0f}-{s[name]['max']:,.0f})"
+
+        def r(name):
+            if name not in ratio:
+                return "-"
+            each = rounds[name]
+            return f"{ratio[name]:.2f} ({min(each):.2f}-{max(each):.2f})"
+
+        rows.append([f"torch/{model}", cell(MPI), cell(GLOO), cell(SPIN),
+                     r("Gloo / Gloo spin"), r("Gloo / MPI"), r("Gloo spin / MPI")])
+    text = common.table(
+        ["path/model", "MPI: samples/s median (min-max)", "Gloo (this build)",
+         "Gloo spin (HOROVOD_GLOO_LOOP_YIELD=0)", "Gloo / Gloo spin (each round)",
+         "Gloo / MPI (each round)", "Gloo spin / MPI (each round)"], rows)
+    return text + f"\n\n2 ranks on one host, plain horovodrun; {repeats} interleaved rounds." + (
+        f" {note}" if note else "")
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="mnist,cnn,dense", help=f"of {', '.join(MODELS)}")
+    p.add_argument("--np", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=5, help="optimizer steps before timing")
+    p.add_argument("--batches", type=int, default=None,
+                   help="optimizer steps per timed iteration (default: vs_single.py's, about 1 s"
+                        " on 2 cores)")
+    p.add_argument("--iters", type=int, default=3, help="timed iterations per run")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help="which runs, comma-separated (a ratio needs both of its runs)")
+    p.add_argument("--readme", action="store_true")
+    args = p.parse_args(argv)
+    models = args.models.split(",")
+    args.variants = args.variants.split(",")
+    for name, allowed, chosen in (("--models", MODELS, models),
+                                  ("--variants", VARIANTS, args.variants)):
+        if bad := [c for c in chosen if c not in allowed]:
+            p.error(f"{name}: unknown {', '.join(bad)}; use {', '.join(allowed)}")
+    note = ""
+    if SPIN in args.variants and not gloo_loop_yields():
+        args.variants.remove(SPIN)
+        note = ("This Horovod has no hvdtrain patch 13 (its Gloo loop spins as upstream's): "
+                "'Gloo spin' left out.")
+        print(note, flush=True)
+    groups = {model: variants(model, args) for model in models}
+    samples = {m: {name: [] for name in runs} for m, runs in groups.items()}
+    for r in range(args.repeats):
+        for model, runs in groups.items():
+            names = list(runs)
+            turn = r % len(names) if names else 0
+            for name in names[turn:] + names[:turn]:
+                samples[model][name].append(runs[name]())
+            print(f"round {r + 1}/{args.repeats} {model}: " + ", ".join(
+                f"{n} {v[-1]:.0f}" for n, v in samples[model].items()), flush=True)
+    results = {model: summarise(samples[model]) for model in groups}
+    text = render(results, args.repeats, note)
+    print(text)
+    path = common.save("gloo", {"args": vars(args), "results": results, "note": note})
+    png = common.RESULTS / "gloo.png"
+
+    def draw(ax):
+        names = list(results)
+        for i, (pair, colour) in enumerate((("Gloo / MPI", "tab:blue"),
+                                             ("Gloo spin / MPI", "tab:grey"))):
+            ax.barh([j + 0.4 * i for j in range(len(names))],
+                    [results[n]["ratios"].get(pair, 0.0) for n in names], height=0.4,
+                    color=colour, label=pair)
+        ax.set_yticks([j + 0.2 for j in range(len(names))], names)
+        ax.axvline(1.0, color="black", linewidth=0.8)
+        ax.set_xlabel(f"samples/s against Horovod over MPI, np={args.np} (medians)")
+        ax.set_title("Horovod over Gloo: this build's loop and upstream's spin")
+        ax.legend()
+    common.plot(png, draw)
+    print(f"wrote {path} and {png}")
+    if args.readme:
+        common.update_readme("gloo", text)
+    return results
+
+
+if __name__ == "__main__":
+    main()
