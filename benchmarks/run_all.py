@@ -10,6 +10,7 @@ import accumulation
 import allreduce
 import common
 import compare
+import gloo
 import scaling
 import scaling_rule
 import trainer
@@ -25,7 +26,7 @@ def main() -> None:
     for name, module in (("scaling", scaling), ("allreduce", allreduce),
                          ("accumulation", accumulation), ("compare", compare),
                          ("trainer", trainer), ("scaling_rule", scaling_rule),
-                         ("vs_single", vs_single)):
+                         ("vs_single", vs_single), ("gloo", gloo)):
         t0 = time.perf_counter()
         print(f"== {name}", flush=True)
         module.main(["--readme"])

@@ -174,6 +174,22 @@ def test_vs_single_tiny(tmp_path):
     assert "np2 / apart" in proc.stdout
 
 
+def test_gloo_tiny_runs_each_loop_over_gloo(tmp_path):
+    # Horovod patch 13's loop and upstream's (HOROVOD_GLOO_LOOP_YIELD=0), each under plain
+    # horovodrun --gloo; the benchmark fails a run whose ranks report another controller. (MPI,
+    # the third variant, is the same launch without --gloo, measured by the other benchmarks.)
+    data, out = bench(tmp_path, "gloo.py", "--models", "mnist", "--variants", "Gloo,Gloo spin",
+                      "--repeats", "1", "--warmup", "1", "--batches", "2", "--iters", "1")
+    assert data["note"] == "" and sorted(data["results"]) == ["mnist"]
+    res = data["results"]["mnist"]
+    stats = res["stats"]
+    assert sorted(stats) == ["Gloo", "Gloo spin"]
+    assert all(len(s["runs"]) == 1 and s["median"] > 0 for s in stats.values())
+    assert res["ratios"] == {"Gloo / Gloo spin": pytest.approx(
+        stats["Gloo"]["median"] / stats["Gloo spin"]["median"])}
+    assert "| torch/mnist |" in out and "HOROVOD_GLOO_LOOP_YIELD=0" in out
+
+
 def test_modes_splits_two_speeds_and_keeps_one(tmp_path):
     sys.path.insert(0, str(BENCH))
     try:

@@ -669,3 +669,22 @@ def test_setup_compiled_what_every_rank_imports_to_bytecode():
         pyc = Path(importlib.util.cache_from_source(str(source)))
         assert pyc.exists(), f"{pyc}: no bytecode for {source}"
         assert pyc.stat().st_mtime >= source.stat().st_mtime
+
+
+def test_the_installed_horovod_has_gloos_loop_yield_compiled_in():
+    """Horovod patch 13 (scripts/horovod_patches/13-gloo-loop-yields.patch) in the Horovod these
+    tests run on: the marker in horovod.common.basics and, in each framework's extension library
+    (Gloo is compiled into each), the variable its C++ reads (a wheel built before the patch, or
+    from a cache key that missed it, has neither)."""
+    import importlib.util
+    spec = importlib.util.find_spec("horovod")
+    if spec is None:
+        pytest.skip("Horovod is not installed here: run make setup")
+    import horovod.common.basics as basics
+    assert getattr(basics, "GLOO_LOOP_YIELD", None) == 1
+    root = Path(spec.submodule_search_locations[0])
+    libraries = sorted(root.glob("torch/mpi_lib_v2*.so")) + sorted(
+        root.glob("tensorflow/mpi_lib*.so"))
+    assert libraries, f"no Horovod extension library under {root}"
+    for library in libraries:
+        assert b"HOROVOD_GLOO_LOOP_YIELD" in library.read_bytes(), library
