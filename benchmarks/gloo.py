@@ -44,7 +44,7 @@ def gloo_loop_yields() -> bool:
     return bool(getattr(basics, "GLOO_LOOP_YIELD", 0))
 
 
-def variants(model: str, args) -> dict:
+def variants(model: str, args, wanted: list[str]) -> dict:
     """``{variant: measure}`` for one model: ``measure()`` makes one run and returns its total
     samples/s.
 
@@ -70,7 +70,7 @@ def variants(model: str, args) -> dict:
 
     runs = {MPI: one((), "mpi"), GLOO: one(("--gloo",), "gloo"),
             SPIN: one(("--gloo",), "gloo", HOROVOD_GLOO_LOOP_YIELD="0")}
-    return {name: run for name, run in runs.items() if name in args.variants}
+    return {name: run for name, run in runs.items() if name in wanted}
 
 
 def summarise(samples: dict[str, list[float]]) -> dict:
@@ -84,7 +84,7 @@ def summarise(samples: dict[str, list[float]]) -> dict:
             "round_ratios": vs_single.round_ratios(stats, PAIRS)}
 
 
-def render(results: dict, repeats: int, note: str = "") -> str:
+def render(results: dict, repeats: int, np_: int, note: str = "") -> str:
     """The README table of :func:`summarise`'s results (``{model: summary}``)."""
     rows = []
     for model, res in results.items():
@@ -107,8 +107,9 @@ def render(results: dict, repeats: int, note: str = "") -> str:
         ["path/model", "MPI: samples/s median (min-max)", "Gloo (this build)",
          "Gloo spin (HOROVOD_GLOO_LOOP_YIELD=0)", "Gloo / Gloo spin (each round)",
          "Gloo / MPI (each round)", "Gloo spin / MPI (each round)"], rows)
-    return text + f"\n\n2 ranks on one host, plain horovodrun; {repeats} interleaved rounds." + (
-        f" {note}" if note else "")
+    batches = ", ".join(f"{m} {vs_single.GLOBAL_BATCH[m]}" for m in results)
+    return text + (f"\n\n{np_} ranks on one host, plain horovodrun; global batch {batches}; "
+                   f"{repeats} interleaved rounds.") + (f" {note}" if note else "")
 
 
 def main(argv=None) -> dict:
@@ -124,46 +125,59 @@ def main(argv=None) -> dict:
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help="which runs, comma-separated (a ratio needs both of its runs)")
     p.add_argument("--readme", action="store_true")
+    p.add_argument("--render", metavar="JSON",
+                   help="print (with --readme: write) the table of a saved results/gloo.json "
+                        "instead of measuring")
     args = p.parse_args(argv)
-    models = args.models.split(",")
-    args.variants = args.variants.split(",")
-    for name, allowed, chosen in (("--models", MODELS, models),
-                                  ("--variants", VARIANTS, args.variants)):
+    if args.render:
+        import json
+        saved = json.loads(open(args.render).read())
+        text = render(saved["results"], saved["args"]["repeats"], saved["args"]["np"],
+                      saved["note"])
+        print(text)
+        if args.readme:
+            common.update_readme("gloo", text)
+        return saved["results"]
+    models, wanted = args.models.split(","), args.variants.split(",")
+    for name, allowed, chosen in (("--models", MODELS, models), ("--variants", VARIANTS, wanted)):
         if bad := [c for c in chosen if c not in allowed]:
             p.error(f"{name}: unknown {', '.join(bad)}; use {', '.join(allowed)}")
     note = ""
-    if SPIN in args.variants and not gloo_loop_yields():
-        args.variants.remove(SPIN)
+    if SPIN in wanted and not gloo_loop_yields():
+        wanted.remove(SPIN)
         note = ("This Horovod has no hvdtrain patch 13 (its Gloo loop spins as upstream's): "
                 "'Gloo spin' left out.")
         print(note, flush=True)
-    groups = {model: variants(model, args) for model in models}
+    if not wanted:
+        p.error(f"--variants {args.variants}: nothing left to run ({note})")
+    groups = {model: variants(model, args, wanted) for model in models}
     samples = {m: {name: [] for name in runs} for m, runs in groups.items()}
-    for r in range(args.repeats):
+    for r in range(args.repeats):  # interleaved; the order turns by one each round
         for model, runs in groups.items():
             names = list(runs)
-            turn = r % len(names) if names else 0
+            turn = r % len(names)
             for name in names[turn:] + names[:turn]:
                 samples[model][name].append(runs[name]())
             print(f"round {r + 1}/{args.repeats} {model}: " + ", ".join(
                 f"{n} {v[-1]:.0f}" for n, v in samples[model].items()), flush=True)
     results = {model: summarise(samples[model]) for model in groups}
-    text = render(results, args.repeats, note)
+    text = render(results, args.repeats, args.np, note)
     print(text)
     path = common.save("gloo", {"args": vars(args), "results": results, "note": note})
     png = common.RESULTS / "gloo.png"
 
     def draw(ax):
         names = list(results)
-        for i, (pair, colour) in enumerate((("Gloo / MPI", "tab:blue"),
-                                             ("Gloo spin / MPI", "tab:grey"))):
-            ax.barh([j + 0.4 * i for j in range(len(names))],
-                    [results[n]["ratios"].get(pair, 0.0) for n in names], height=0.4,
-                    color=colour, label=pair)
-        ax.set_yticks([j + 0.2 for j in range(len(names))], names)
+        pairs = [pair for pair in PAIRS if any(pair in results[n]["ratios"] for n in names)]
+        height = 0.8 / max(1, len(pairs))
+        for i, pair in enumerate(pairs):
+            at = [(j + i * height, results[n]["ratios"][pair]) for j, n in enumerate(names)
+                  if pair in results[n]["ratios"]]
+            ax.barh([a for a, _ in at], [v for _, v in at], height=height, label=pair)
+        ax.set_yticks([j + 0.4 - height / 2 for j in range(len(names))], names)
         ax.axvline(1.0, color="black", linewidth=0.8)
-        ax.set_xlabel(f"samples/s against Horovod over MPI, np={args.np} (medians)")
-        ax.set_title("Horovod over Gloo: this build's loop and upstream's spin")
+        ax.set_xlabel(f"ratio of total samples/s, np={args.np} (medians)")
+        ax.set_title("Horovod over Gloo: this build's loop, upstream's spin, MPI")
         ax.legend()
     common.plot(png, draw)
     print(f"wrote {path} and {png}")

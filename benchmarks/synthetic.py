@@ -305,9 +305,9 @@ def main(argv=None) -> dict:
               "allreduces": allreduces,
               "allreduces_per_sample": (allreduces / samples_timed) if allreduces else None,
               "threads": _threads(args.framework),
-              # what carried the collectives: horovodrun --gloo, Spark, Ray and elastic ranks
-              # run Horovod's controller and CPU operations over Gloo, horovodrun and mpirun MPI
-              "controller": None if hvd is None else ("gloo" if hvd.gloo_enabled() else "mpi")}
+              # Horovod's controller: Gloo for horovodrun --gloo, Spark, Ray and elastic ranks,
+              # MPI for horovodrun and mpirun (whose CPU operations may still be Gloo's)
+              "controller": None if hvd is None else ("mpi" if hvd.mpi_enabled() else "gloo")}
     log("JSON " + json.dumps(result))
     if rank == 0 and args.json_out:
         with open(args.json_out, "w") as f:
