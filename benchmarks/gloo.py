@@ -2,9 +2,10 @@
 
 Ranks that Spark (HorovodRunner), Ray, ``--elastic`` or ``horovodrun --gloo`` start carry
 Horovod's collectives over Gloo's TCP transport; ``horovodrun``, ``mpirun`` and ``srun`` use MPI.
-Three variants of one 2-rank job (``benchmarks/synthetic.py``, PyTorch, hvdtrain mode, global batch
-as in ``vs_single.py``), each a real launch with plain ``horovodrun -np 2`` the way a user starts
-it, run interleaved for ``--repeats`` rounds with their order turned by one each round:
+Three variants of one 2-rank job (``benchmarks/synthetic.py``, hvdtrain mode, global batch as in
+``vs_single.py``; PyTorch, and with ``--paths`` Keras 3 on TensorFlow or on PyTorch), each a real
+launch with plain ``horovodrun -np 2`` the way a user starts it, run interleaved for
+``--repeats`` rounds with their order turned by one each round:
 
 * ``MPI``: ``horovodrun -np 2``
 * ``Gloo``: ``horovodrun --gloo -np 2`` (this build: Gloo's event loop yields its core while a
@@ -19,7 +20,8 @@ round's own ratio (its two runs made minutes apart at most).
 
 Run::
 
-    .venv/bin/python benchmarks/gloo.py [--repeats 5] [--models mnist,cnn,dense] [--readme]
+    .venv/bin/python benchmarks/gloo.py [--repeats 5] [--paths torch,keras-tf]
+        [--models mnist,cnn,dense] [--readme]
 """
 from __future__ import annotations
 
@@ -44,27 +46,30 @@ def gloo_loop_yields() -> bool:
     return bool(getattr(basics, "GLOO_LOOP_YIELD", 0))
 
 
-def variants(model: str, args, wanted: list[str]) -> dict:
-    """``{variant: measure}`` for one model: ``measure()`` makes one run and returns its total
-    samples/s.
+def variants(path: str, model: str, args, wanted: list[str]) -> dict:
+    """``{variant: measure}`` for one path (``vs_single.PATHS``) and model: ``measure()`` makes
+    one run and returns its total samples/s.
 
     Raises (from ``measure()``):
         RuntimeError: the job failed, or its ranks ran over another controller than the
             variant names (``--gloo`` not honoured, say).
     """
     batch = vs_single.GLOBAL_BATCH[model]
-    command = [sys.executable, str(common.HERE / "synthetic.py"), "--framework", "torch",
+    framework, backend = vs_single.PATHS[path]
+    command = [sys.executable, str(common.HERE / "synthetic.py"), "--framework", framework,
                "--model", model, "--mode", "hvdtrain", "--batch-size", str(batch // args.np),
                "--num-warmup-batches", str(args.warmup), "--num-batches-per-iter",
                str(args.batches or vs_single.ITER_STEPS[model]), "--num-iters", str(args.iters)]
     env = common.base_env(False)  # a user's shell: no HOROVOD_* and no Open MPI yield setting
+    if backend:
+        env["KERAS_BACKEND"] = backend
 
     def one(extra: tuple[str, ...], controller: str, **more: str):
         def measure() -> float:
             out = common.run_json(common.horovodrun(args.np, command, extra), {**env, **more})
             if out.get("controller") != controller:
-                raise RuntimeError(f"{model}: expected the job over {controller}, its ranks "
-                                   f"report {out.get('controller')!r}")
+                raise RuntimeError(f"{path}/{model}: expected the job over {controller}, its "
+                                   f"ranks report {out.get('controller')!r}")
             return out["total_img_sec"]
         return measure
 
@@ -85,9 +90,9 @@ def summarise(samples: dict[str, list[float]]) -> dict:
 
 
 def render(results: dict, repeats: int, np_: int, note: str = "") -> str:
-    """The README table of :func:`summarise`'s results (``{model: summary}``)."""
+    """The README table of :func:`summarise`'s results (``{"path/model": summary}``)."""
     rows = []
-    for model, res in results.items():
+    for key, res in results.items():
         s, ratio, rounds = res["stats"], res["ratios"], res["round_ratios"]
 
         def cell(name):
@@ -101,19 +106,21 @@ def render(results: dict, repeats: int, np_: int, note: str = "") -> str:
             each = rounds[name]
             return f"{ratio[name]:.2f} ({min(each):.2f}-{max(each):.2f})"
 
-        rows.append([f"torch/{model}", cell(MPI), cell(GLOO), cell(SPIN),
+        rows.append([key, cell(MPI), cell(GLOO), cell(SPIN),
                      r("Gloo / Gloo spin"), r("Gloo / MPI"), r("Gloo spin / MPI")])
     text = common.table(
         ["path/model", "MPI: samples/s median (min-max)", "Gloo (this build)",
          "Gloo spin (HOROVOD_GLOO_LOOP_YIELD=0)", "Gloo / Gloo spin (each round)",
          "Gloo / MPI (each round)", "Gloo spin / MPI (each round)"], rows)
-    batches = ", ".join(f"{m} {vs_single.GLOBAL_BATCH[m]}" for m in results)
+    models = dict.fromkeys(key.split("/")[-1] for key in results)
+    batches = ", ".join(f"{m} {vs_single.GLOBAL_BATCH[m]}" for m in models)
     return text + (f"\n\n{np_} ranks on one host, plain horovodrun; global batch {batches}; "
                    f"{repeats} interleaved rounds.") + (f" {note}" if note else "")
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--paths", default="torch", help=f"of {', '.join(vs_single.PATHS)}")
     p.add_argument("--models", default="mnist,cnn,dense", help=f"of {', '.join(MODELS)}")
     p.add_argument("--np", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
@@ -138,8 +145,10 @@ def main(argv=None) -> dict:
         if args.readme:
             common.update_readme("gloo", text)
         return saved["results"]
-    models, wanted = args.models.split(","), args.variants.split(",")
-    for name, allowed, chosen in (("--models", MODELS, models), ("--variants", VARIANTS, wanted)):
+    paths, models = args.paths.split(","), args.models.split(",")
+    wanted = args.variants.split(",")
+    for name, allowed, chosen in (("--paths", vs_single.PATHS, paths),
+                                  ("--models", MODELS, models), ("--variants", VARIANTS, wanted)):
         if bad := [c for c in chosen if c not in allowed]:
             p.error(f"{name}: unknown {', '.join(bad)}; use {', '.join(allowed)}")
     note = ""
@@ -150,17 +159,18 @@ def main(argv=None) -> dict:
         print(note, flush=True)
     if not wanted:
         p.error(f"--variants {args.variants}: nothing left to run ({note})")
-    groups = {model: variants(model, args, wanted) for model in models}
-    samples = {m: {name: [] for name in runs} for m, runs in groups.items()}
+    groups = {f"{path}/{model}": variants(path, model, args, wanted)
+              for path in paths for model in models}
+    samples = {key: {name: [] for name in runs} for key, runs in groups.items()}
     for r in range(args.repeats):  # interleaved; the order turns by one each round
-        for model, runs in groups.items():
+        for key, runs in groups.items():
             names = list(runs)
             turn = r % len(names)
             for name in names[turn:] + names[:turn]:
-                samples[model][name].append(runs[name]())
-            print(f"round {r + 1}/{args.repeats} {model}: " + ", ".join(
-                f"{n} {v[-1]:.0f}" for n, v in samples[model].items()), flush=True)
-    results = {model: summarise(samples[model]) for model in groups}
+                samples[key][name].append(runs[name]())
+            print(f"round {r + 1}/{args.repeats} {key}: " + ", ".join(
+                f"{n} {v[-1]:.0f}" for n, v in samples[key].items()), flush=True)
+    results = {key: summarise(samples[key]) for key in groups}
     text = render(results, args.repeats, args.np, note)
     print(text)
     path = common.save("gloo", {"args": vars(args), "results": results, "note": note})

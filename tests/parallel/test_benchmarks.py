@@ -180,8 +180,8 @@ def test_gloo_tiny_runs_each_loop_over_gloo(tmp_path):
     # the third variant, is the same launch without --gloo, measured by the other benchmarks.)
     data, out = bench(tmp_path, "gloo.py", "--models", "mnist", "--variants", "Gloo,Gloo spin",
                       "--repeats", "1", "--warmup", "1", "--batches", "2", "--iters", "1")
-    assert data["note"] == "" and sorted(data["results"]) == ["mnist"]
-    res = data["results"]["mnist"]
+    assert data["note"] == "" and sorted(data["results"]) == ["torch/mnist"]
+    res = data["results"]["torch/mnist"]
     stats = res["stats"]
     assert sorted(stats) == ["Gloo", "Gloo spin"]
     assert all(len(s["runs"]) == 1 and s["median"] > 0 for s in stats.values())

@@ -39,8 +39,9 @@ RANK = textwrap.dedent("""
         signal.pause()
 """)
 # sshd: starts rank "a" below it (as mpirun's orted does over ssh) and rank "b" through a process
-# that exits at once (b is left to the worker, its subreaper); on SIGTERM it records whether both
-# ranks had checkpointed by then, and exits as sshd does.
+# that exits at once (b is left to the worker, its subreaper; OUT/starter-exited says the starter
+# has been reaped, so b has its new parent); on SIGTERM it records whether both ranks had
+# checkpointed by then, and exits as sshd does.
 SSHD = textwrap.dedent("""
     import os, signal, subprocess, sys
     from pathlib import Path
@@ -51,6 +52,8 @@ SSHD = textwrap.dedent("""
     starter = ("import subprocess, sys; subprocess.Popen([sys.executable, '-c', sys.argv[1], "
                "sys.argv[2], 'b'])")
     subprocess.run([sys.executable, "-c", starter, rank, str(out)], env=env, check=True)
+    with atomic_open(out / "starter-exited", "w") as f:
+        f.write(str(os.getpid()))
     def stop(signum, frame):
         done = all((out / f"{n}.checkpointed").exists() for n in "ab")
         with atomic_open(out / "sshd-ended", "w") as f:
@@ -84,7 +87,9 @@ def test_sigterm_reaches_the_pods_ranks_before_sshd_ends(tmp_path):
     try:
         wait_for(other / "x.ready", bystander)
         pids = {n: int(wait_for(pod / f"{n}.ready", worker)) for n in "ab"}
-        # b's parent has exited: it was left to the worker (its subreaper), not to init.
+        # b's parent has exited (b may be ready before it has: wait for sshd to have reaped it):
+        # b was left to the worker (its subreaper), not to init.
+        wait_for(pod / "starter-exited", worker)
         assert int(Path(f"/proc/{pids['b']}/stat").read_text().rsplit(")", 1)[1].split()[1]) \
             == worker.pid
         worker.send_signal(signal.SIGTERM)
