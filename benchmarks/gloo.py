@@ -3,9 +3,9 @@
 Ranks that Spark (HorovodRunner), Ray, ``--elastic`` or ``horovodrun --gloo`` start carry
 Horovod's collectives over Gloo's TCP transport; ``horovodrun``, ``mpirun`` and ``srun`` use MPI.
 Three variants of one 2-rank job (``benchmarks/synthetic.py``, hvdtrain mode, global batch as in
-``vs_single.py``; PyTorch, and with ``--paths`` Keras 3 on TensorFlow or on PyTorch), each a real
-launch with plain ``horovodrun -np 2`` the way a user starts it, run interleaved for
-``--repeats`` rounds with their order turned by one each round:
+``vs_single.py``; PyTorch and Keras 3 on TensorFlow by default, ``--paths`` also Keras 3 on
+PyTorch), each a real launch with plain ``horovodrun -np 2`` the way a user starts it, run
+interleaved for ``--repeats`` rounds with their order turned by one each round:
 
 * ``MPI``: ``horovodrun -np 2``
 * ``Gloo``: ``horovodrun --gloo -np 2`` (this build: Gloo's event loop yields its core while a
@@ -20,7 +20,7 @@ round's own ratio (its two runs made minutes apart at most).
 
 Run::
 
-    .venv/bin/python benchmarks/gloo.py [--repeats 5] [--paths torch,keras-tf]
+    .venv/bin/python benchmarks/gloo.py [--repeats 5] [--paths torch,keras-tf,keras-torch]
         [--models mnist,cnn,dense] [--readme]
 """
 from __future__ import annotations
@@ -120,7 +120,7 @@ def render(results: dict, repeats: int, np_: int, note: str = "") -> str:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--paths", default="torch", help=f"of {', '.join(vs_single.PATHS)}")
+    p.add_argument("--paths", default="torch,keras-tf", help=f"of {', '.join(vs_single.PATHS)}")
     p.add_argument("--models", default="mnist,cnn,dense", help=f"of {', '.join(MODELS)}")
     p.add_argument("--np", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)

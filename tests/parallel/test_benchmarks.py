@@ -178,7 +178,8 @@ def test_gloo_tiny_runs_each_loop_over_gloo(tmp_path):
     # Horovod patch 13's loop and upstream's (HOROVOD_GLOO_LOOP_YIELD=0), each under plain
     # horovodrun --gloo; the benchmark fails a run whose ranks report another controller. (MPI,
     # the third variant, is the same launch without --gloo, measured by the other benchmarks.)
-    data, out = bench(tmp_path, "gloo.py", "--models", "mnist", "--variants", "Gloo,Gloo spin",
+    data, out = bench(tmp_path, "gloo.py", "--paths", "torch", "--models", "mnist",
+                      "--variants", "Gloo,Gloo spin",
                       "--repeats", "1", "--warmup", "1", "--batches", "2", "--iters", "1")
     assert data["note"] == "" and sorted(data["results"]) == ["torch/mnist"]
     res = data["results"]["torch/mnist"]
