@@ -79,14 +79,8 @@ def variants(path: str, model: str, args, wanted: list[str]) -> dict:
 
 
 def summarise(samples: dict[str, list[float]]) -> dict:
-    """Median, min, max and max/min of each variant's samples/s, the ratios of medians
-    (:data:`PAIRS`) and each round's own ratios."""
-    stats = {name: {"median": common.median(v), "min": min(v), "max": max(v),
-                    "spread": max(v) / min(v), "runs": v} for name, v in samples.items()}
-    med = {name: s["median"] for name, s in stats.items()}
-    ratios = {name: med[a] / med[b] for name, (a, b) in PAIRS.items() if a in med and b in med}
-    return {"stats": stats, "ratios": ratios,
-            "round_ratios": vs_single.round_ratios(stats, PAIRS)}
+    """:func:`vs_single.summarise` with this benchmark's ratios (:data:`PAIRS`)."""
+    return vs_single.summarise(samples, PAIRS)
 
 
 def render(results: dict, repeats: int, np_: int, note: str = "") -> str:

@@ -87,14 +87,18 @@ def variants(path: str, model: str, args) -> dict[str, Callable[[], float]]:
     return runs
 
 
-def summarise(samples: dict[str, list[float]]) -> dict:
-    """Median, min, max and max/min of each variant's samples/s, and the ratios of medians."""
+# The ratios summarise() reports: {name: (numerator variant, denominator variant)}.
+PAIRS = {"np2 / one process": (NP2, SINGLE), "np1 / one process": (NP1, SINGLE),
+         "np2 / DDP": (NP2, DDP), "np2 / apart": (NP2, APART),
+         "apart / one process": (APART, SINGLE)}
+
+
+def summarise(samples: dict[str, list[float]], pairs: dict[str, tuple[str, str]] = PAIRS) -> dict:
+    """Median, min, max and max/min of each variant's samples/s, the ratios of medians of
+    ``pairs`` (``{name: (a, b)}``, those whose variants both ran) and each round's own ratios."""
     stats = {name: {"median": common.median(v), "min": min(v), "max": max(v),
                     "spread": max(v) / min(v), "runs": v} for name, v in samples.items()}
     med = {name: s["median"] for name, s in stats.items()}
-    pairs = {"np2 / one process": (NP2, SINGLE), "np1 / one process": (NP1, SINGLE),
-             "np2 / DDP": (NP2, DDP), "np2 / apart": (NP2, APART),
-             "apart / one process": (APART, SINGLE)}
     ratios = {name: med[a] / med[b] for name, (a, b) in pairs.items() if a in med and b in med}
     return {"stats": stats, "ratios": ratios, "round_ratios": round_ratios(stats, pairs)}
 
