@@ -1,7 +1,8 @@
 """Horovod Elastic on one host as Horovod's own users run it (issue 37, items 9 and 10): Horovod's
 TF2 elastic state (``hvd.elastic.TensorFlowKerasState``) with Keras 3 and with Keras 2, under
-``horovodrun --host-discovery-script``; and ``hvdtrain launch --elastic`` on one host without
-``--network-interfaces``, which must start rather than wait without a word."""
+``horovodrun --host-discovery-script``; ``hvd.init()`` after ``hvd.shutdown()`` (what an elastic
+reset does) with the cycle time and fusion threshold set; and ``hvdtrain launch --elastic`` on one
+host without ``--network-interfaces``, which must start rather than wait without a word."""
 import json
 import os
 import signal
@@ -85,3 +86,21 @@ def test_launch_elastic_on_this_host_starts_without_network_interfaces(tmp_path)
     assert "--network-interfaces lo" in output  # the printed command line says what was added
     assert sorted(p.name for p in out.iterdir()) == ["rank0", "rank1"]
     assert {p.read_text() for p in out.iterdir()} == {"2"}
+
+
+def test_horovod_initialises_again_with_the_users_cycle_time_and_fusion_threshold(tmp_path):
+    # Before (scripts/horovod_patches/14-*): with both variables set, the second hvd.init() wrote
+    # the default cycle time past the end of the autotuner's emptied vector, and every rank died
+    # with a segmentation fault (exit 139) in the new background thread; an elastic job died so
+    # at its first reset (a worker lost or added). With either variable alone it passed.
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = [str(BIN / "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2",
+            *script("torch_reinit.py"), str(out)]
+    env = {**SHARED_CORES_ENV, "HOROVOD_CYCLE_TIME": "10", "HOROVOD_FUSION_THRESHOLD": "4194304"}
+    proc = run(argv, timeout=180, check=False, env=env)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    for rank in (0, 1):
+        inits = json.loads((out / f"rank{rank}.json").read_text())
+        assert [(i["rank"], i["size"]) for i in inits] == [(rank, 2)] * 3, inits
+        assert [i["average"] for i in inits] == [[0.5 + n] * 4 for n in range(3)], inits
