@@ -87,9 +87,15 @@ def train_config(command: list[str]):
                                      if k not in ("command", "func")})
 
 
-def check_train_command(command: list[str]) -> str | None:
+def check_train_command(command: list[str], engine: str | None = None) -> str | None:
     """For ``hvdtrain train ...``: its options' error (as ``hvdtrain train`` would print it),
-    checked before an engine starts anything; None when fine or when it is another command."""
+    checked before an engine starts anything; None when fine or when it is another command.
+
+    ``engine`` (``"Spark"``, ``"Ray"``): the engine that would run it, which starts a fixed set of
+    ranks; ``--elastic`` is then refused (Horovod Elastic's membership changes need horovodrun's
+    elastic driver: ``hvdtrain launch --elastic``). Before, such a run trained at a fixed size
+    with elastic mode's limits, and a restarted Ray worker group was refused the ``--resume auto``
+    the engine adds."""
     from hvdtrain.config import ConfigError
     try:
         config = train_config(command)
@@ -97,6 +103,12 @@ def check_train_command(command: list[str]) -> str | None:
             config.validate()
     except (ConfigError, ValueError) as exc:
         return str(exc)
+    if engine and config is not None and config.elastic:
+        return (f"--elastic: {engine} starts a fixed set of ranks, and Horovod Elastic needs "
+                "horovodrun's elastic driver to add and remove workers; drop --elastic here "
+                "(a run started again goes on from its last checkpoint with --resume auto), "
+                "or launch the job with "
+                "hvdtrain launch --elastic")
     return None
 
 

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("-np must be >= 1")
     if args.max_failures < 0:
         parser.error("--max-failures must be >= 0")
-    problem = check_train_command(command)
+    problem = check_train_command(command, engine="Ray")
     if problem:
         print(f"hvdtrain: error: {problem}", file=sys.stderr)
         return 2

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     command = engine_command(parser, args.command, env)
     if args.np == 0:
         parser.error("-np must not be 0")
-    problem = check_train_command(command)
+    problem = check_train_command(command, engine="Spark")
     if problem:
         print(f"hvdtrain: error: {problem}", file=sys.stderr)
         return 2

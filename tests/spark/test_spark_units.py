@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from hvdtrain.launch import ranks
 from hvdtrain.launch.engine_args import check_train_command
 from leftovers import left_after  # tests/leftovers.py
@@ -27,6 +29,27 @@ def test_hvdtrain_train_options_are_checked_before_spark_starts():
                           timeout=60)
     assert proc.returncode == 2 and "--no-such-option" in proc.stderr
     assert "SparkContext" not in proc.stderr and "starting" not in proc.stderr
+
+
+def test_engines_refuse_elastic_before_they_start(tmp_path):
+    # Spark and Ray start a fixed set of ranks: before, `hvdtrain train --elastic` trained there at
+    # a fixed size with elastic mode's limits, and Ray's restart added --resume auto, which
+    # --elastic refuses (the ranks failed on a flag the user never typed).
+    elastic = ["hvdtrain", "train", "--dataset", "digits", "--elastic"]
+    assert check_train_command(elastic) is None  # hvdtrain launch --elastic's command
+    for engine in ("Spark", "Ray"):
+        problem = check_train_command(elastic, engine=engine)
+        assert problem.startswith(f"--elastic: {engine} starts a fixed set of ranks"), problem
+        assert "hvdtrain launch --elastic" in problem, problem
+    assert check_train_command(elastic[:-1], engine="Ray") is None
+    for engine in ("hvdtrain.spark", "hvdtrain.ray"):
+        proc = subprocess.run([sys.executable, "-m", engine, "-np", "2", "--", *elastic],
+                              capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        assert proc.returncode == 2, (engine, proc.stderr[-2000:])
+        assert "hvdtrain: error: --elastic:" in proc.stderr, proc.stderr[-2000:]
+    from hvdtrain.spark import run_command
+    with pytest.raises(ValueError, match="--elastic: Spark starts a fixed set of ranks"):
+        run_command(elastic, 2)  # checked before it looks for a SparkContext or makes one
 
 
 def test_a_command_that_is_not_found_exits_2_before_an_engine_starts(tmp_path):
