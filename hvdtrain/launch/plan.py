@@ -80,17 +80,25 @@ def hosts_from_h(spec: str) -> hf.Hostfile:
     one slot, as in horovodrun.
 
     Raises:
-        hf.HostfileError: an empty list, bad slots or host names (named as in a hostfile).
+        hf.HostfileError: an empty list, bad slots or host names (named as in a hostfile), a
+            host named twice, an IPv6 address (horovodrun's ``-H`` cannot carry one).
     """
     items = [item.strip() for item in spec.split(",") if item.strip()]
     if not items:
         raise hf.HostfileError(f"-H {spec!r} names no hosts; write e.g. -H node1:2,node2:2")
+    for number, item in enumerate(items, start=1):
+        if item.count(":") > 1 or item.startswith("["):
+            raise hf.HostfileError(
+                f"-H {spec!r} host {number}: {item!r} looks like an IPv6 address, which -H cannot "
+                "carry (horovodrun and mpirun split its host:slots at ':'); name the host "
+                "instead (e.g. an /etc/hosts entry)")
     lines = [item if ":" in item else f"{item}:1" for item in items]
     try:
         hosts = hf.parse_hostfile("\n".join(lines), "-H")
     except hf.HostfileError as exc:  # "hostfile -H line 2: ..." -> "-H 'a:1,b:x' host 2: ..."
         message = str(exc).replace("hostfile -H line ", f"-H {spec!r} host ", 1).replace(
-            "merge them into one line", "name it once")
+            "merge them into one line", "name it once").replace("is already on line ",
+                                                                "is already host ")
         # -H writes slots as host:N, not slots=N
         message = re.sub(r"'slots=(.*)' is not a whole number; write e\.g\. slots=2$",
                          r"':\1' is not a whole number of slots; write e.g. -H node1:2,node2:2",

@@ -290,6 +290,14 @@ def test_without_hostfile_the_launch_runs_on_this_host_and_takes_h(tmp_path):
         plan(launch_args(np=1, hostfile=None, hosts_spec="a:1,b:0"), env={}, gpus=0)
     with pytest.raises(PlanError, match="-np 4 is more than the 3 slots"):
         plan(launch_args(np=4, hostfile=None, hosts_spec="node1:2,node2"), env={}, gpus=0)
+    # -H's words, not the hostfile's ("already on line 1", "write '::1:2 slots=N'")
+    with pytest.raises(PlanError, match=r"-H 'a:2,a:1' host 2: host 'a' is already host 1; name "
+                                        r"it once with the total slots$"):
+        plan(launch_args(np=1, hostfile=None, hosts_spec="a:2,a:1"), env={}, gpus=0)
+    for spec in ("::1:2", "node1:1,[fe80::1]:2"):
+        with pytest.raises(PlanError, match=r"host \d: '.*' looks like an IPv6 address, which -H "
+                                            r"cannot carry"):
+            plan(launch_args(np=1, hostfile=None, hosts_spec=spec), env={}, gpus=0)
 
 
 @pytest.mark.parametrize("launcher", ["horovodrun", "mpirun", "srun"])
