@@ -64,7 +64,7 @@ PYTHON=${PYTHON:-python3.11}
 CACHE=${HVDTRAIN_CACHE:-$HOME/.cache/hvdtrain}
 CONSTRAINTS=$ROOT/requirements/constraints.txt
 HOROVOD_VERSION=0.28.1
-PATCH_ID=cxx17-noxla-py-v17  # scripts/patch_horovod.sh's changes for every build, its
+PATCH_ID=cxx17-noxla-py-v18  # scripts/patch_horovod.sh's changes for every build, its
                              # horovod_patches/ included (change on any edit)
 GPU_PATCH_ID=gpu-v1   # its further changes when torch has CUDA, and the GPU build's settings
 TF_PACKAGE=${HVDTRAIN_TF_PACKAGE:-tensorflow-cpu}
@@ -637,8 +637,8 @@ if sys.argv[2]:
     assert hasattr(horovod.tensorflow.elastic, "_optimizer_variables")  # scripts/horovod_patches/09-*
 assert horovod.__version__ == sys.argv[1]
 assert ht.mpi_built() and ht.gloo_built()
-# A Horovod built before the patches (scripts/horovod_patches/05-*, 07-*, 08-*, 10-*, 11-*):
-# build it again.
+# A Horovod built before the patches (scripts/horovod_patches/05-*, 07-*, 08-*, 10-*, 11-*, 13-*,
+# 14-*): build it again.
 assert hasattr(opt._DistributedOptimizer, "late_name_prefix")
 import horovod.common.util
 assert hasattr(horovod.common.util, "BUILT_CHECK_EXTENSIONS")
@@ -647,6 +647,9 @@ import horovod.common.basics
 assert getattr(horovod.common.basics, "CYCLE_WAKE", 0) >= 4  # scripts/horovod_patches/08-*
 import horovod.torch.mpi_ops
 assert getattr(horovod.torch.mpi_ops, "WAIT_BLOCKS", 0) >= 1  # scripts/horovod_patches/11-*
+assert getattr(horovod.common.basics, "GLOO_LOOP_YIELD", 0) >= 2  # scripts/horovod_patches/13-*
+import horovod.common.elastic
+assert getattr(horovod.common.elastic, "PARAMETERS_RESTART", 0) >= 1  # scripts/horovod_patches/14-*
 if sys.argv[3] == "gpu":
     assert ht.nccl_built()
 frameworks = ["PyTorch"]

@@ -87,28 +87,42 @@ def train_config(command: list[str]):
                                      if k not in ("command", "func")})
 
 
+def engine_refusal(command: list[str], engine: str) -> str | None:
+    """Why ``engine`` (``"Spark"``, ``"Ray"``) cannot run ``command``, or None: an ``hvdtrain train
+    --elastic`` (or an abbreviation argparse accepts, ``--el`` on) is refused, since the engine
+    starts a fixed set of ranks and Horovod Elastic's membership changes need horovodrun's elastic
+    driver (``hvdtrain launch --elastic``). Before, such a run trained at a fixed size with
+    elastic mode's limits, and a restarted Ray worker group was refused the ``--resume auto``
+    the engine adds. Reads the argv only (the options' other checks:
+    :func:`check_train_command`)."""
+    if not is_train_command(command) or not any(
+            len(arg) >= 4 and "--elastic".startswith(arg) for arg in command[2:]):
+        return None
+    return (f"--elastic: {engine} starts a fixed set of ranks, and Horovod Elastic needs "
+            "horovodrun's elastic driver to add and remove workers; drop --elastic here (a run "
+            "started again goes on from its last checkpoint with --resume auto), or launch the "
+            "job with hvdtrain launch --elastic")
+
+
 def check_train_command(command: list[str], engine: str | None = None) -> str | None:
     """For ``hvdtrain train ...``: its options' error (as ``hvdtrain train`` would print it),
     checked before an engine starts anything; None when fine or when it is another command.
+    ``engine``: the engine that would run it, whose refusal (:func:`engine_refusal`) comes first.
 
-    ``engine`` (``"Spark"``, ``"Ray"``): the engine that would run it, which starts a fixed set of
-    ranks; ``--elastic`` is then refused (Horovod Elastic's membership changes need horovodrun's
-    elastic driver: ``hvdtrain launch --elastic``). Before, such a run trained at a fixed size
-    with elastic mode's limits, and a restarted Ray worker group was refused the ``--resume auto``
-    the engine adds."""
+    Raises:
+        SystemExit: 2, with argparse's message, for options ``hvdtrain train`` cannot parse (the
+            engines' command lines stop there).
+    """
     from hvdtrain.config import ConfigError
+    refusal = engine_refusal(command, engine) if engine else None
+    if refusal:
+        return refusal
     try:
         config = train_config(command)
         if config is not None:
             config.validate()
     except (ConfigError, ValueError) as exc:
         return str(exc)
-    if engine and config is not None and config.elastic:
-        return (f"--elastic: {engine} starts a fixed set of ranks, and Horovod Elastic needs "
-                "horovodrun's elastic driver to add and remove workers; drop --elastic here "
-                "(a run started again goes on from its last checkpoint with --resume auto), "
-                "or launch the job with "
-                "hvdtrain launch --elastic")
     return None
 
 

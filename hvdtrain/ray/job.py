@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from hvdtrain.launch import ranks
-from hvdtrain.launch.engine_args import check_train_command, train_config, with_resume_auto
+from hvdtrain.launch.engine_args import engine_refusal, train_config, with_resume_auto
 from hvdtrain.ray.backend import ATTEMPT_VAR, HorovodConfig
 
 
@@ -143,15 +143,15 @@ def run_command(command: list[str], num_workers: int, *, max_failures: int = 0,
     Raises:
         NotEnoughResourcesError: the cluster has too few CPUs (before anything starts).
         RayJobError: the ranks failed ``max_failures + 1`` times.
-        ValueError: ``command`` is empty, ``num_workers`` < 1, or an ``hvdtrain train`` command
-            has an option it refuses, or ``--elastic`` (checked before anything starts:
-            :func:`hvdtrain.launch.engine_args.check_train_command`).
+        ValueError: ``command`` is empty, ``num_workers`` < 1, or ``command`` is ``hvdtrain
+            train --elastic`` (before anything starts:
+            :func:`hvdtrain.launch.engine_args.engine_refusal`).
     """
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
     if not command:
         raise ValueError("no command to run: give it after --, e.g. -- hvdtrain train")
-    problem = check_train_command(list(command), engine="Ray")
+    problem = engine_refusal(list(command), "Ray")
     if problem:
         raise ValueError(problem)
     check_resources(num_workers, cpus_per_worker)

@@ -95,14 +95,14 @@ def run_command(command: list[str], num_proc: int, *, spark=None, env: dict | No
     Raises:
         NotEnoughSlotsError: as :func:`run`.
         SparkJobError: as :func:`run`; its ``exit_codes`` holds the ranks' non-zero statuses.
-        ValueError: ``command`` is empty, ``num_proc`` is 0, or an ``hvdtrain train`` command has
-            an option it refuses, or ``--elastic`` (checked before Spark starts anything:
-            :func:`hvdtrain.launch.engine_args.check_train_command`).
+        ValueError: ``command`` is empty, ``num_proc`` is 0, or ``command`` is ``hvdtrain train
+            --elastic`` (before Spark starts anything:
+            :func:`hvdtrain.launch.engine_args.engine_refusal`).
     """
     if not command:
         raise ValueError("no command to run: give it after --, e.g. -- hvdtrain train")
-    from hvdtrain.launch.engine_args import check_train_command
-    problem = check_train_command(list(command), engine="Spark")
+    from hvdtrain.launch.engine_args import engine_refusal
+    problem = engine_refusal(list(command), "Spark")
     if problem:
         raise ValueError(problem)
     _run(num_proc, dict(payload=None, command=list(command)), spark, env, stdout,

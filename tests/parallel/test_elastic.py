@@ -119,6 +119,7 @@ def test_elastic_survives_a_lost_worker_and_takes_a_new_one(tmp_path, framework)
         assert_board_matches(out, epochs)
         settings = json.loads((out / "metrics.json").read_text())["horovod_settings"]
         assert float(settings["HOROVOD_CYCLE_TIME"]["value"]) == (10 if cycle else 1), settings
+        assert settings["HOROVOD_FUSION_THRESHOLD"]["by"] == "hvdtrain", settings  # both fixed
 
 
 def elastic_local(tmp_path, framework, *train_args):

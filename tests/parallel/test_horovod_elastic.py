@@ -90,9 +90,10 @@ def test_launch_elastic_on_this_host_starts_without_network_interfaces(tmp_path)
 
 def test_horovod_initialises_again_with_the_users_cycle_time_and_fusion_threshold(tmp_path):
     # Before (scripts/horovod_patches/14-*): with both variables set, the second hvd.init() wrote
-    # the default cycle time past the end of the autotuner's emptied vector, and every rank died
-    # with a segmentation fault (exit 139) in the new background thread; an elastic job died so
-    # at its first reset (a worker lost or added). With either variable alone it passed.
+    # its defaults past the end of the autotuner's emptied vector, and every rank died with a
+    # segmentation fault (exit 139) in the new background thread; an elastic job died so at its
+    # first reset (a worker lost or added). (With the cycle time alone it ran on, its fusion
+    # threshold 1 MiB instead of 128 after the reset; Horovod has no call that reads it back.)
     out = tmp_path / "out"
     out.mkdir()
     argv = [str(BIN / "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2",

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from hvdtrain.launch import ranks
-from hvdtrain.launch.engine_args import check_train_command
+from hvdtrain.launch.engine_args import check_train_command, engine_refusal
 from leftovers import left_after  # tests/leftovers.py
 
 
@@ -41,7 +41,12 @@ def test_engines_refuse_elastic_before_they_start(tmp_path):
         problem = check_train_command(elastic, engine=engine)
         assert problem.startswith(f"--elastic: {engine} starts a fixed set of ranks"), problem
         assert "hvdtrain launch --elastic" in problem, problem
+        # The refusal comes before elastic mode's own option checks
+        assert check_train_command([*elastic, "--device", "cuda"], engine=engine) == problem
+        assert engine_refusal(["hvdtrain", "train", "--elast"], engine) == problem  # argparse's
     assert check_train_command(elastic[:-1], engine="Ray") is None
+    assert engine_refusal(["hvdtrain", "train", "--epochs", "2"], "Ray") is None
+    assert engine_refusal(["python", "train.py", "--elastic"], "Ray") is None  # not ours to read
     for engine in ("hvdtrain.spark", "hvdtrain.ray"):
         proc = subprocess.run([sys.executable, "-m", engine, "-np", "2", "--", *elastic],
                               capture_output=True, text=True, cwd=tmp_path, timeout=120)

@@ -294,9 +294,9 @@ def test_without_hostfile_the_launch_runs_on_this_host_and_takes_h(tmp_path):
     with pytest.raises(PlanError, match=r"-H 'a:2,a:1' host 2: host 'a' is already host 1; name "
                                         r"it once with the total slots$"):
         plan(launch_args(np=1, hostfile=None, hosts_spec="a:2,a:1"), env={}, gpus=0)
-    for spec in ("::1:2", "node1:1,[fe80::1]:2"):
-        with pytest.raises(PlanError, match=r"host \d: '.*' looks like an IPv6 address, which -H "
-                                            r"cannot carry"):
+    for spec, host in (("::1:2", "1: '::1:2'"), ("node1:1,[fe80::1]:2", "2: '\\[fe80::1\\]:2'")):
+        with pytest.raises(PlanError, match=f"host {host} looks like an IPv6 address, which -H "
+                                            "cannot carry"):
             plan(launch_args(np=1, hostfile=None, hosts_spec=spec), env={}, gpus=0)
 
 

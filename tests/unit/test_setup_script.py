@@ -148,7 +148,7 @@ def test_cuda_torch_and_nvcc_give_an_nccl_build_for_the_gpus_present(tmp_path):
     env, nccl = _gpu_env(tmp_path)
     plan = _plan(env)
     assert plan["mode"] == "gpu" and "has CUDA 13.0 and nvcc is" in plan["why"]
-    assert plan["key"] == ("horovod-0.28.1-torch2.11.0-notf-cp312-cxx17-noxla-py-v17"
+    assert plan["key"] == ("horovod-0.28.1-torch2.11.0-notf-cp312-cxx17-noxla-py-v18"
                            "-cu130-cc90-nccl2.27.3-gpu-v1")
     build = plan["env"]
     assert build["HOROVOD_GPU_OPERATIONS"] == "NCCL"
@@ -259,7 +259,7 @@ def test_without_nvcc_a_cuda_torch_gets_a_cpu_build_with_a_notice(tmp_path):
     assert plan["mode"] == "cpu" and "no nvcc" in plan["notice"]
     assert "HOROVOD_GPU_OPERATIONS" not in plan["env"]
     # torch's CUDA still makes Horovod compile its CUDA kernels: CUDA patches, own key.
-    assert plan["key"] == "horovod-0.28.1-torch2.11.0-notf-cp312-cxx17-noxla-py-v17-cu130-nonccl-gpu-v1"
+    assert plan["key"] == "horovod-0.28.1-torch2.11.0-notf-cp312-cxx17-noxla-py-v18-cu130-nonccl-gpu-v1"
     assert any("CMAKE_CUDA_STANDARD" in p for p in plan["patch"])
 
     proc = _setup(_env(tmp_path, nvcc=None, HVDTRAIN_PYTHON=py, HVDTRAIN_GPU=1), "--plan")
@@ -287,7 +287,7 @@ def test_default_cpu_plan_keeps_the_cpu_key_and_build(tmp_path):
     _fake_python(tmp_path / "venv", CPU_FACTS)
     plan = _plan(_env(tmp_path, VENV=tmp_path / "venv"))
     assert plan["mode"] == "cpu" and plan["why"] == "torch 2.13.0+cpu is a CPU build"
-    assert plan["key"] == "horovod-0.28.1-torch2.13.0-tf2.21.0-cp311-cxx17-noxla-py-v17"
+    assert plan["key"] == "horovod-0.28.1-torch2.13.0-tf2.21.0-cp311-cxx17-noxla-py-v18"
     cores = len(os.sched_getaffinity(0))
     assert plan["env"] == {"CMAKE_POLICY_VERSION_MINIMUM": "3.5", "HOROVOD_WITH_PYTORCH": "1",
                            "HOROVOD_WITH_TENSORFLOW": "1", "HOROVOD_WITHOUT_MXNET": "1",
@@ -310,7 +310,7 @@ def test_default_plan_on_this_checkouts_venv():
     torch_v = md.version("torch").split("+")[0]
     tf_v = md.version("tensorflow-cpu")
     py = "cp%d%d" % sys.version_info[:2]
-    assert f"key={CPU_KEY_PREFIX}{torch_v}-tf{tf_v}-{py}-cxx17-noxla-py-v17\n" in proc.stdout
+    assert f"key={CPU_KEY_PREFIX}{torch_v}-tf{tf_v}-{py}-cxx17-noxla-py-v18\n" in proc.stdout
     assert "mode=cpu\n" in proc.stdout
 
 
@@ -396,7 +396,7 @@ def test_gpu_setup_end_to_end_with_stand_ins(tmp_path):
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("[setup] GPU build (torch 2.11.0+cu130 has CUDA 13.0 and nvcc is ")
     assert "NCCL 2.27.3 from the nvidia-nccl-cu13 2.27.3 wheel, compute capabilities 90" in lines[0]
-    key = "horovod-0.28.1-torch2.11.0-notf-cp312-cxx17-noxla-py-v17-cu130-cc90-nccl2.27.3-gpu-v1"
+    key = "horovod-0.28.1-torch2.11.0-notf-cp312-cxx17-noxla-py-v18-cu130-cc90-nccl2.27.3-gpu-v1"
     assert lines[1].startswith("[setup] building Horovod 0.28.1 with NCCL") and key in lines[1]
     assert lines[3] == ("[setup] Horovod built with frameworks PyTorch; controllers MPI, Gloo; "
                         "tensor operations NCCL, MPI, Gloo")
@@ -671,20 +671,38 @@ def test_setup_compiled_what_every_rank_imports_to_bytecode():
         assert pyc.stat().st_mtime >= source.stat().st_mtime
 
 
-def test_the_installed_horovod_has_gloos_loop_yield_compiled_in():
-    """Horovod patch 13 (scripts/horovod_patches/13-gloo-loop-yields.patch) in the Horovod these
-    tests run on: the marker in horovod.common.basics and, in each framework's extension library
-    (Gloo is compiled into each), the variable its C++ reads (a wheel built before the patch, or
-    from a cache key that missed it, has neither)."""
+def installed_horovod_patch(module: str, marker: str, revision: int, compiled: bytes) -> None:
+    """Assert that a Horovod patch is in the Horovod these tests run on: its ``marker`` in
+    ``module`` at ``revision``, and ``compiled`` (a name its C++ adds) in each framework's
+    extension library. Skips where Horovod is not installed."""
+    import importlib
     import importlib.util
     spec = importlib.util.find_spec("horovod")
     if spec is None:
         pytest.skip("Horovod is not installed here: run make setup")
-    import horovod.common.basics as basics
-    assert getattr(basics, "GLOO_LOOP_YIELD", None) == 2
+    assert getattr(importlib.import_module(module), marker, None) == revision
     root = Path(spec.submodule_search_locations[0])
     libraries = sorted(root.glob("torch/mpi_lib_v2*.so")) + sorted(
         root.glob("tensorflow/mpi_lib*.so"))
     assert libraries, f"no Horovod extension library under {root}"
     for library in libraries:
-        assert b"HOROVOD_GLOO_LOOP_YIELD" in library.read_bytes(), library
+        assert compiled in library.read_bytes(), library
+
+
+def test_the_installed_horovod_has_gloos_loop_yield_compiled_in():
+    """Horovod patch 13 (scripts/horovod_patches/13-gloo-loop-yields.patch) in the Horovod these
+    tests run on: the marker in horovod.common.basics and, in each framework's extension library
+    (Gloo is compiled into each), the variable its C++ reads (a wheel built before the patch, or
+    from a cache key that missed it, has neither)."""
+    installed_horovod_patch("horovod.common.basics", "GLOO_LOOP_YIELD", 2,
+                            b"HOROVOD_GLOO_LOOP_YIELD")
+
+
+def test_the_installed_horovod_restarts_its_parameters_at_each_init():
+    """Horovod patch 14 (scripts/horovod_patches/14-parameters-restart-on-init.patch) in the
+    Horovod these tests run on: the marker in horovod.common.elastic and, in each framework's
+    extension library, the function the background thread calls at each initialization
+    (ParameterManager::Restart, by its mangled name). tests/parallel/test_horovod_elastic.py
+    checks what it does."""
+    installed_horovod_patch("horovod.common.elastic", "PARAMETERS_RESTART", 1,
+                            b"_ZN7horovod6common16ParameterManager7RestartEv")
