@@ -78,13 +78,8 @@ def variants(path: str, model: str, args, wanted: list[str]) -> dict:
     return {name: run for name, run in runs.items() if name in wanted}
 
 
-def summarise(samples: dict[str, list[float]]) -> dict:
-    """:func:`vs_single.summarise` with this benchmark's ratios (:data:`PAIRS`)."""
-    return vs_single.summarise(samples, PAIRS)
-
-
 def render(results: dict, repeats: int, np_: int, note: str = "") -> str:
-    """The README table of :func:`summarise`'s results (``{"path/model": summary}``)."""
+    """The README table of the results (``{"path/model": vs_single.summarise(..., PAIRS)}``)."""
     rows = []
     for key, res in results.items():
         s, ratio, rounds = res["stats"], res["ratios"], res["round_ratios"]
@@ -164,7 +159,7 @@ def main(argv=None) -> dict:
                 samples[key][name].append(runs[name]())
             print(f"round {r + 1}/{args.repeats} {key}: " + ", ".join(
                 f"{n} {v[-1]:.0f}" for n, v in samples[key].items()), flush=True)
-    results = {key: summarise(samples[key]) for key in groups}
+    results = {key: vs_single.summarise(samples[key], PAIRS) for key in groups}
     text = render(results, args.repeats, args.np, note)
     print(text)
     path = common.save("gloo", {"args": vars(args), "results": results, "note": note})
