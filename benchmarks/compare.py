@@ -1,21 +1,29 @@
-"""hvdtrain against PyTorch DistributedDataParallel and a hand-written plain Horovod loop: the same
-model, synthetic data, local batch and np=2, measured side by side (medians over repeats).
+"""hvdtrain against what users run instead: PyTorch DistributedDataParallel and a hand-written
+plain Horovod loop (``--framework torch``), or Horovod's own Keras layer and one Keras process on
+all cores (``--framework keras``, Keras 3 on TensorFlow): the same model, synthetic data, local
+batch and np=2, measured side by side (medians over interleaved repeats).
 
-* hvdtrain: ``hvdtrain launch`` (its machine-specific MPI settings) + hvdtrain.torch
-* plain Horovod, defaults: ``horovodrun`` as is + Horovod's example loop
-* plain Horovod, tuned: the same loop with the settings every hvdtrain rank's ``init()``
+* hvdtrain: ``hvdtrain launch`` (its machine-specific MPI settings) + hvdtrain.torch or
+  hvdtrain.keras
+* plain Horovod, defaults: ``horovodrun`` as is + Horovod's example loop (torch) or
+  ``horovod.tensorflow.keras``'s DistributedOptimizer and broadcast callback (Keras; on Keras 3
+  with hvdtrain's Horovod build, patch 15)
+* plain Horovod, tuned: the same with the settings every hvdtrain rank's ``init()``
   chooses on CPU hosts (:func:`hvdtrain.launch.tuning.rank_settings`: the background thread
   woken by work, a 4 MiB fusion threshold, mpi_yield_when_idle=1), to separate the adapter's
   cost from theirs
-* DDP: ``torchrun --standalone --nproc_per_node 2`` + DistributedDataParallel (Gloo)
+* DDP (torch): ``torchrun --standalone --nproc_per_node 2`` + DistributedDataParallel (Gloo)
+* one process (Keras): ``model.fit`` on all cores with the global batch's samples per step
+  (``np`` x the local batch), no Horovod
 
 Run::
 
-    .venv/bin/python benchmarks/compare.py [--repeats 5] [--readme]
+    .venv/bin/python benchmarks/compare.py [--framework keras] [--repeats 5] [--readme]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import common
@@ -25,6 +33,7 @@ from hvdtrain.launch import tuning
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--framework", choices=("torch", "keras"), default="torch")
     p.add_argument("--model", default="cnn")
     p.add_argument("--np", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=32)
@@ -35,11 +44,11 @@ def main(argv=None) -> dict:
     p.add_argument("--readme", action="store_true")
     args = p.parse_args(argv)
 
-    def synthetic(mode):
-        return [sys.executable, str(common.HERE / "synthetic.py"), "--framework", "torch",
+    def synthetic(mode, *extra):
+        return [sys.executable, str(common.HERE / "synthetic.py"), "--framework", args.framework,
                 "--model", args.model, "--mode", mode, "--batch-size", str(args.batch_size),
                 "--num-warmup-batches", str(args.warmup), "--num-batches-per-iter",
-                str(args.batches), "--num-iters", str(args.iters)]
+                str(args.batches), "--num-iters", str(args.iters), *extra]
 
     tuned = common.base_env(False)
     tuning.rank_settings(on_gpu=False, size=args.np, env=tuned)  # writes hvdtrain's CPU rule
@@ -50,17 +59,24 @@ def main(argv=None) -> dict:
                                      common.base_env(False)),
         "plain Horovod (tuned launcher)": (common.horovodrun(args.np, synthetic("plain")),
                                            tuned),
-        "DDP (Gloo, torchrun)": ([str(common.BIN / "torchrun"), "--standalone",
-                                  f"--nproc_per_node={args.np}", *synthetic("ddp")[1:]],
-                                 common.base_env(False)),
     }
+    if args.framework == "torch":
+        other = "DDP (Gloo, torchrun)"
+        runs[other] = ([str(common.BIN / "torchrun"), "--standalone",
+                        f"--nproc_per_node={args.np}", *synthetic("ddp")[1:]],
+                       common.base_env(False))
+    else:  # one process with every core, on the samples all ranks take per step
+        other = "one process (all cores)"
+        one = synthetic("single", "--threads", str(os.cpu_count()))
+        one[one.index("--batch-size") + 1] = str(args.batch_size * args.np)
+        runs[other] = (one, common.base_env(False))
     samples = {name: [] for name in runs}
     for _ in range(args.repeats):  # interleaved, so drifts in machine load hit every variant
         for name, (argv_, env) in runs.items():
             samples[name].append(common.run_json(argv_, env)["total_img_sec"])
     medians = {name: common.median(v) for name, v in samples.items()}
     h = medians["hvdtrain"]
-    ratios = {"hvdtrain / DDP": h / medians["DDP (Gloo, torchrun)"],
+    ratios = {f"hvdtrain / {other.split(' (')[0]}": h / medians[other],
               "hvdtrain / plain Horovod (defaults)": h / medians["plain Horovod (defaults)"],
               "hvdtrain / plain Horovod (tuned launcher)":
                   h / medians["plain Horovod (tuned launcher)"]}
@@ -69,9 +85,10 @@ def main(argv=None) -> dict:
                          for n, m in medians.items()])
     text += "\n\n" + common.table(["ratio", "value"], [[k, v] for k, v in ratios.items()])
     print(text)
-    path = common.save("compare", {"args": vars(args), "samples": samples, "medians": medians,
-                                   "ratios": ratios})
-    png = common.RESULTS / "compare.png"
+    name = "compare" if args.framework == "torch" else "compare_keras"
+    path = common.save(name, {"args": vars(args), "samples": samples, "medians": medians,
+                              "ratios": ratios})
+    png = common.RESULTS / f"{name}.png"
 
     def draw(ax):
         ax.barh(list(medians), list(medians.values()))
@@ -80,7 +97,7 @@ def main(argv=None) -> dict:
     common.plot(png, draw)
     print(f"wrote {path} and {png}")
     if args.readme:
-        common.update_readme("compare", text)
+        common.update_readme(name, text)
     return {"medians": medians, "ratios": ratios}
 
 

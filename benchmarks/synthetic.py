@@ -177,8 +177,10 @@ def keras_setup(args):
     ``fit_steps(n, marks)`` runs n optimizer steps (n x k micro-batches) in ONE ``model.fit``
     call over an endless in-memory dataset, the way Keras users train (``fit``'s set-up once, not
     per timed iteration), and returns the ``time.perf_counter()`` at the end of each optimizer
-    step (a callback; ``marks[i]()`` runs after step i, before its time is taken). There is no
-    ``plain`` mode: Horovod's own Keras layer is written for Keras 2 and does not run on Keras 3.
+    step (a callback; ``marks[i]()`` runs after step i, before its time is taken). ``plain`` is
+    Horovod's own Keras layer as in Horovod's ``tensorflow2_keras_synthetic_benchmark.py``
+    (``horovod.tensorflow.keras``: TensorFlow backend only; on Keras 3 it all-reduces only with
+    hvdtrain's Horovod build, patch 15).
     """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import keras
@@ -186,11 +188,19 @@ def keras_setup(args):
     from hvdtrain.keras.models import bench_model
 
     k = args.backward_passes_per_step
+    callbacks = []
     if args.mode == "plain":
-        raise SystemExit("--mode plain --framework keras: Horovod's Keras layer "
-                         "(horovod.tensorflow.keras) is written for Keras 2 and does not run on "
-                         "Keras 3; compare hvdtrain with --mode single")
-    if args.mode == "single":
+        if keras.backend.backend() != "tensorflow":
+            raise SystemExit("--mode plain --framework keras needs KERAS_BACKEND=tensorflow: "
+                             "Horovod's Keras layer (horovod.tensorflow.keras) is TensorFlow's")
+        import horovod.tensorflow.keras as hvd
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+        model = bench_model(args.model, image_size=args.image_size)
+        optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(0.01 * size, momentum=0.9),
+                                             backward_passes_per_step=k)
+        callbacks.append(hvd.callbacks.BroadcastGlobalVariablesCallback(0))
+    elif args.mode == "single":
         rank, size, hvd = 0, 1, None
         if args.threads:
             if keras.backend.backend() == "tensorflow":
@@ -232,7 +242,7 @@ def keras_setup(args):
 
     def fit_steps(n: int, marks: dict) -> list[float]:
         clock = Clock(marks)
-        model.fit(data, epochs=1, steps_per_epoch=n * k, verbose=0, callbacks=[clock])
+        model.fit(data, epochs=1, steps_per_epoch=n * k, verbose=0, callbacks=[*callbacks, clock])
         return clock.times
 
     return fit_steps, rank, size, hvd

@@ -64,7 +64,7 @@ PYTHON=${PYTHON:-python3.11}
 CACHE=${HVDTRAIN_CACHE:-$HOME/.cache/hvdtrain}
 CONSTRAINTS=$ROOT/requirements/constraints.txt
 HOROVOD_VERSION=0.28.1
-PATCH_ID=cxx17-noxla-py-v18  # scripts/patch_horovod.sh's changes for every build, its
+PATCH_ID=cxx17-noxla-py-v19  # scripts/patch_horovod.sh's changes for every build, its
                              # horovod_patches/ included (change on any edit)
 GPU_PATCH_ID=gpu-v1   # its further changes when torch has CUDA, and the GPU build's settings
 TF_PACKAGE=${HVDTRAIN_TF_PACKAGE:-tensorflow-cpu}
@@ -635,6 +635,8 @@ if sys.argv[2]:
     assert hasattr(horovod.tensorflow.util, "var_ref")  # scripts/horovod_patches/01-*
     import horovod.tensorflow.elastic
     assert hasattr(horovod.tensorflow.elastic, "_optimizer_variables")  # scripts/horovod_patches/09-*
+    import horovod._keras
+    assert getattr(horovod._keras, "KERAS3_OPTIMIZER", 0) >= 1  # scripts/horovod_patches/15-*
 assert horovod.__version__ == sys.argv[1]
 assert ht.mpi_built() and ht.gloo_built()
 # A Horovod built before the patches (scripts/horovod_patches/05-*, 07-*, 08-*, 10-*, 11-*, 13-*,

@@ -19,6 +19,7 @@ TITLES = {
     "allreduce": "All-reduce bandwidth against the ring model",
     "accumulation": "Gradient accumulation",
     "compare": "hvdtrain vs plain Horovod vs PyTorch DDP",
+    "compare_keras": "Keras: hvdtrain vs Horovod's own Keras layer vs one process",
     "trainer": "The training loop's own cost",
     "scaling_rule": "Learning-rate scaling rules by global batch",
     "gpu": "One GPU: hvdtrain vs a plain PyTorch loop",
@@ -26,6 +27,8 @@ TITLES = {
     "vs_single": "Distributing vs one process",
     "modes": "Every job's speed: one mode or two",
 }
+# Results written by another script than <name>.py (compare.py --framework keras).
+SCRIPTS = {"compare_keras": "compare"}
 # Options that only say where output goes or which part of a run this process is.
 NOT_RERUN = {"readme", "json_out", "worker", "render", "trainer_src"}
 MAX_LIST = 8  # lists longer than this are left out of the tables (per-iteration timings)
@@ -185,7 +188,7 @@ def recorded(results: Path, repo: Path) -> str:
 
 def page(name: str, data: dict, bench_dir: Path) -> str:
     """The Markdown page of ``results/<name>.json`` (``data``)."""
-    script = bench_dir / f"{name}.py"
+    script = bench_dir / f"{SCRIPTS.get(name, name)}.py"
     results = bench_dir / "results" / f"{name}.json"
     png = bench_dir / "results" / f"{name}.png"
     title = TITLES.get(name, name.replace("_", " ").capitalize())

@@ -2,7 +2,8 @@
 (one grouped all-reduce per optimizer step), rank-0 broadcast, LR scaling with warmup, and
 accumulation of k micro-batches. Same concepts and names as :mod:`hvdtrain.torch`.
 
-Horovod's own Keras layer (``horovod.tensorflow.keras``) is written for Keras 2 optimizers; this
+Horovod's own Keras layer (``horovod.tensorflow.keras``) was written for Keras 2 optimizers and
+the TensorFlow backend (hvdtrain's Horovod build makes it all-reduce on Keras 3: patch 15); this
 adapter is built on Horovod's collectives instead (:mod:`hvdtrain.keras.collectives`:
 ``horovod.tensorflow`` under ``KERAS_BACKEND=tensorflow``, ``horovod.torch`` under
 ``KERAS_BACKEND=torch``), so the same code runs on both backends.

@@ -49,6 +49,18 @@ def test_synthetic_prints_horovods_format(framework, tmp_path):
     assert "Iter #" not in seen.rank(1)
 
 
+def test_synthetic_plain_keras_runs_horovods_keras_layer(tmp_path):
+    """--mode plain --framework keras: Horovod's tensorflow2_keras_synthetic_benchmark.py setup
+    (horovod.tensorflow.keras's DistributedOptimizer and broadcast callback on Keras 3, patch
+    15), what benchmarks/compare.py --framework keras measures hvdtrain.keras against."""
+    out = tmp_path / "synthetic.json"
+    run(horovodrun(2, sys.executable, str(BENCH / "synthetic.py"), "--framework", "keras",
+                   "--mode", "plain", *TINY, "--json-out", str(out)))
+    result = json.loads(out.read_text())
+    assert result["mode"] == "plain" and result["size"] == 2
+    assert result["total_img_sec"] > 0 and len(result["iters"]) == 2
+
+
 def test_scaling_tiny(tmp_path):
     data, out = bench(tmp_path, "scaling.py", "--frameworks", "torch", "--nps", "1,2",
                       "--repeats", "1", "--warmup", "1", "--batches", "2", "--iters", "1")

@@ -1,7 +1,8 @@
 """Code Horovod and PyTorch users already have, on 2 real ranks (the session's rank pools) (README,
-"Your existing Horovod code"): Horovod's TensorFlow API with Keras 3 models, PyTorch optimizer
-habits on the optimizer distribute() returns, several models in one program. Each trained case is
-compared with one process training on the global batch, and the two ranks with each other."""
+"Your existing Horovod code"): Horovod's TensorFlow API and its Keras layer with Keras 3 models,
+PyTorch optimizer habits on the optimizer distribute() returns, several models in one program.
+Each trained case is compared with one process training on the global batch, and the two ranks
+with each other."""
 import json
 from pathlib import Path
 
@@ -67,6 +68,85 @@ def test_sync_batch_normalization_uses_the_global_batch_on_keras3(tf_habits):
     assert r["rank_spread"] == 0.0
     assert r["vs_reference"] < 1e-5
     assert r["plain_vs_reference"] > 100 * max(r["vs_reference"], 1e-6)
+
+
+@pytest.fixture(scope="module")
+def hvd_keras(pools, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hvd_keras")
+    pools.keras("tensorflow").run(rank_script("hvd_keras_habits.py"), "--out",
+                                  folder / "result.json", "--dir", folder)
+    return json.loads((folder / "result.json").read_text())
+
+
+@pytest.mark.parametrize("case", ["fit", "tf_entry", "standalone"])
+def test_horovods_keras_optimizer_trains_keras3_as_one_process(hvd_keras, case):
+    """Horovod's canonical Keras script on Keras 3 (model.fit, hvd.DistributedOptimizer, the
+    broadcast callback), also through horovod.tensorflow.DistributedOptimizer and horovod.keras:
+    the ranks' weights identical and equal to one process on the global batch. Upstream, the
+    optimizer never all-reduced on Keras 3 and the broadcast callback failed (patch 15)."""
+    assert hvd_keras["size"] == 2
+    r = hvd_keras[case]
+    assert r["rank_spread"] == 0.0
+    assert r["vs_reference"] < 1e-6
+    if case == "fit":
+        assert r["optimizer"] == "SGD"  # the wrapper keeps the optimizer's name
+
+
+def test_horovods_partial_optimizer_keeps_a_rank_local_layer_on_keras3(hvd_keras):
+    """horovod.keras.PartialDistributedOptimizer(local_layers=[head]) in model.fit: the shared
+    layer equal on both ranks, the local head apart."""
+    assert hvd_keras["partial"]["shared_spread"] == 0.0
+    assert hvd_keras["partial"]["local_spread"] > 0.01
+
+
+def test_horovods_broadcast_callback_gives_every_rank_rank0s_weights(hvd_keras):
+    assert hvd_keras["broadcast"]["rank_spread"] == 0.0
+    assert hvd_keras["broadcast"]["without_callback"] > 0.01
+
+
+@pytest.mark.parametrize("case", ["passes_sum", "passes_mean"])
+def test_horovods_backward_passes_per_step_on_keras3(hvd_keras, case):
+    """backward_passes_per_step=2: 6 micro-batches, 3 updates; the passes summed (one process at
+    twice the rate) or averaged (average_aggregated_gradients=True: one process, same rate)."""
+    r = hvd_keras[case]
+    assert r["rank_spread"] == 0.0 and r["updates"] == 3
+    assert r["vs_reference"] < 1e-6
+
+
+def test_horovods_metric_average_callback_on_keras3(hvd_keras):
+    r = hvd_keras["metric_average"]
+    assert r["averaged_spread"] == 0.0 and r["own_spread"] > 0.01
+    assert r["averaged"] == pytest.approx(r["own_mean"], rel=1e-6)
+
+
+def test_horovods_learning_rate_callbacks_on_keras3(hvd_keras):
+    """Warmup over 2 epochs from initial_lr / size (Goyal et al. 2017, Horovod's formula: 3/4 of
+    the rate after the first epoch at size 2, all of it after the second), then a schedule
+    callback's x0.5 from epoch 2, as logged in each epoch's `lr`."""
+    r = hvd_keras["lr_callbacks"]
+    assert r["lr"] == pytest.approx([0.75 * r["initial_lr"], r["initial_lr"],
+                                     0.5 * r["initial_lr"]], rel=1e-6)
+
+
+def test_a_model_saved_with_horovods_optimizer_loads_with_and_without_horovod(hvd_keras):
+    """keras.models.load_model gives Keras's own SGD (the wrapper keeps its module);
+    hvd.load_model gives Horovod's optimizer with the saved state (iterations, momentum), which
+    trains on with the ranks equal."""
+    r = hvd_keras["saved"]
+    assert r["plain_is_keras"] and r["plain_optimizer"].startswith("keras.")
+    assert r["plain_lr"] == pytest.approx(0.1)
+    assert r["saved_variables"] == 6  # iterations, rate, 4 momentums: no model weight tracked
+    assert r["loaded_distributed"] and r["loaded_state"] == 0.0
+    assert r["loaded_trains"] > 0.0 and r["loaded_spread"] == 0.0
+
+
+def test_horovods_keras_optimizer_refuses_what_it_cannot_do_on_keras3(hvd_keras):
+    r = hvd_keras["refused"]
+    assert r["loss_scale"].startswith("DistributedOptimizer cannot wrap a Keras 3 "
+                                      "LossScaleOptimizer")
+    assert "hvdtrain.keras.distribute" in r["loss_scale"]
+    assert "gradient_accumulation_steps=3" in r["accumulation"]
+    assert "backward_passes_per_step=2" in r["accumulation"]
 
 
 def test_gan_example_trains_two_models(ranks, tmp_path):

@@ -273,7 +273,8 @@ def test_benchmark_pages_come_from_the_json(tmp_path):
         assert "## Rerun" in text and "recorded" in text
         if isinstance(data.get("args"), dict):
             command = re.search(r"```bash\n(.*)\n```", text).group(1)
-            script = (bench / f"{page.stem}.py").read_text()
+            name = benchmark_pages.SCRIPTS.get(page.stem, page.stem)
+            script = (bench / f"{name}.py").read_text()
             for option in re.findall(r"(--[a-z-]+)", command):
                 assert f'"{option}"' in script, (page.stem, option)
         for key, value in data.get("machine", {}).items():
