@@ -219,6 +219,18 @@ def allreduce_job(np_: int, hostfile: Hostfile, out: str, *, ssh_port: int | Non
                            network_interfaces=network_interfaces, env=dict(os.environ))
 
 
+def job_failure(output: str) -> str:
+    """A failed job's output in one line: its first Open MPI help message (the text between the
+    first two lines of dashes, e.g. "ORTE does not know how to route a message to the specified
+    daemon located on the indicated node: my node: a target node: b ..."), else its last 3
+    lines, joined with " | "."""
+    lines = [line.strip() for line in output.splitlines()]
+    rules = [i for i, line in enumerate(lines) if len(line) >= 20 and set(line) == {"-"}]
+    if len(rules) >= 2 and any(lines[rules[0] + 1:rules[1]]):
+        return " ".join(" ".join(lines[rules[0] + 1:rules[1]]).split())[:400]
+    return " | ".join([line for line in lines if line][-3:])
+
+
 def run_allreduce(np_: int, hostfile: Hostfile, *, timeout_s: float = 120.0,
                   ssh_port: int | None = None, ssh_identity_file: str | None = None,
                   network_interfaces: str | None = None) -> Check:
@@ -247,10 +259,9 @@ def run_allreduce(np_: int, hostfile: Hostfile, *, timeout_s: float = 120.0,
         result = _read_result(out, hostfile, ssh_port, ssh_identity_file)
     expected = np_ * (np_ + 1) / 2
     if result is None or proc.returncode != 0:
-        tail = (stderr or stdout).strip().splitlines()[-3:]
         return Check("all", "allreduce", False, f"the job failed (exit {proc.returncode}): "
-                     + " | ".join(tail), "run the command printed by 'hvdtrain launch --dry-run' "
-                     "by hand to see the whole error")
+                     + job_failure(stderr or stdout), "run the command printed by 'hvdtrain "
+                     "launch --dry-run' by hand to see the whole error")
     if result["sum"] != expected or result["size"] != np_:
         return Check("all", "allreduce", False, f"wrong result {result} (expected size {np_}, "
                      f"sum {expected})", "the hosts disagree: check the versions")

@@ -31,6 +31,34 @@ def test_ssh_success_and_unknown_failure():
     assert not check.ok and "kex_exchange_identification" in check.detail
 
 
+ORTE_NO_PATH = """[vm:01234] [[31261,0],0] UNABLE TO SEND MESSAGE TO [[31261,0],2] TAG 15
+--------------------------------------------------------------------------
+ORTE does not know how to route a message to the specified daemon
+located on the indicated node:
+
+  my node:   vm
+  target node:  127.0.0.3
+
+This is usually an internal programming error that should be
+reported to the developers. In the meantime, a workaround may
+be to set the MCA param routed=direct on the command line or
+in your environment. We apologize for the problem.
+--------------------------------------------------------------------------
+[vm:01234] 1 more process has sent help message help-errmgr-base.txt / no-path
+"""
+
+
+def test_a_failed_jobs_open_mpi_message_is_kept_whole_in_one_line():
+    """The all-reduce check's detail: Open MPI's first help message (it named only the last
+    three lines, "be to set the MCA param routed=direct ... We apologize for the problem.", when
+    this was seen once on a fresh machine); a plain failure keeps its last three lines."""
+    line = preflight.job_failure(ORTE_NO_PATH)
+    assert line.startswith("ORTE does not know how to route a message to the specified daemon "
+                           "located on the indicated node: my node: vm target node: 127.0.0.3 ")
+    assert line.endswith("We apologize for the problem.") and "\n" not in line
+    assert preflight.job_failure("a\nb\n\nc\nTraceback: d\n") == "b | c | Traceback: d"
+
+
 HERE = {"python_version": "3.11.7", "versions": {"torch": "2.13.0", "horovod": "0.28.1"}}
 
 
