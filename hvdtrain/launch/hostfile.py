@@ -265,9 +265,11 @@ def horovodrun_argv(np_: int, hostfile: Hostfile, command: list[str], *,
 
     Raises:
         ValueError: an empty command.
+        HostfileError: an IPv6 address among the hosts (:func:`check_horovodrun_hosts`).
     """
     if not command:
         raise ValueError("no command to launch; put it after '--'")
+    check_horovodrun_hosts(hostfile)
     hosts = ["--hostfile", hostfile.path] if hostfile.bare else ["-H", hostfile.as_h()]
     argv = ["horovodrun", "-np", str(np_), *hosts]
     if gloo:
@@ -276,6 +278,20 @@ def horovodrun_argv(np_: int, hostfile: Hostfile, command: list[str], *,
     if mca and not gloo:
         argv.append("--mpi-args=" + " ".join(f"--mca {k} {v}" for k, v in mca.items()))
     return argv + _knob_flags(knobs) + list(command), dict(env or {})
+
+
+def check_horovodrun_hosts(hostfile: Hostfile) -> None:
+    """horovodrun turns every host into ``host:slots`` and splits that at ':'
+    (``horovod/runner/common/util/hosts.py``), so no IPv6 address reaches it whole.
+
+    Raises:
+        HostfileError: the first IPv6 address, with its line and what to write instead.
+    """
+    for host in hostfile.hosts:
+        if _is_ipv6(host.name):
+            raise HostfileError(f"hostfile {hostfile.path} line {host.line}: '{host.name}' is an "
+                                "IPv6 address, which horovodrun cannot take (it splits host:slots "
+                                "at ':'); give the host a name (e.g. in /etc/hosts) and write that")
 
 
 def _knob_flags(knobs: dict[str, str] | None) -> list[str]:

@@ -257,8 +257,12 @@ def plan(args, env: dict[str, str] | None = None, gpus: int | None = None) -> La
         env.update({f"OMPI_MCA_{k}": v for k, v in mca.items()})
         env[LAUNCH_CHOICES_VAR] = json.dumps(choices)
     if args.launcher == "horovodrun":
-        argv, env = hf.horovodrun_argv(np_, hosts, command, network_interfaces=args.network_interfaces,
-                                       gloo=args.gloo, mca=mca, knobs=knobs, env=env, **ssh)
+        try:
+            argv, env = hf.horovodrun_argv(np_, hosts, command, gloo=args.gloo, mca=mca,
+                                           network_interfaces=args.network_interfaces,
+                                           knobs=knobs, env=env, **ssh)
+        except hf.HostfileError as exc:
+            raise PlanError(str(exc)) from None
         shown = shlex.join(argv)
     elif args.launcher == "mpirun":
         argv, env = hf.mpirun_argv(np_, hosts, command, env=env,

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from hvdtrain.launch.hostfile import Hostfile, horovodrun_argv
+from hvdtrain.launch.hostfile import Hostfile, HostfileError, horovodrun_argv
 
 PACKAGES = ("torch", "tensorflow", "tensorflow-cpu", "keras", "horovod", "hvdtrain")
 SSH_TIMEOUT_S = 20  # ConnectTimeout and the whole command's limit, per host
@@ -238,9 +238,13 @@ def run_allreduce(np_: int, hostfile: Hostfile, *, timeout_s: float = 120.0,
     ``timeout_s`` seconds; passes when rank 0's file says ``np_ (np_ + 1) / 2``."""
     with tempfile.TemporaryDirectory(prefix="hvdtrain-preflight-") as tmp:
         out = str(Path(tmp) / "allreduce.json")
-        argv, env = allreduce_job(np_, hostfile, out, ssh_port=ssh_port,
-                                  ssh_identity_file=ssh_identity_file,
-                                  network_interfaces=network_interfaces)
+        try:
+            argv, env = allreduce_job(np_, hostfile, out, ssh_port=ssh_port,
+                                      ssh_identity_file=ssh_identity_file,
+                                      network_interfaces=network_interfaces)
+        except HostfileError as exc:  # an IPv6 address: horovodrun cannot take it
+            return Check("all", "allreduce", False, f"not tried: {exc}",
+                         "name the host (e.g. in /etc/hosts) and write the name in the hostfile")
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         started = time.monotonic()
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

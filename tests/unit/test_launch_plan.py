@@ -300,6 +300,23 @@ def test_without_hostfile_the_launch_runs_on_this_host_and_takes_h(tmp_path):
             plan(launch_args(np=1, hostfile=None, hosts_spec=spec), env={}, gpus=0)
 
 
+def test_an_ipv6_address_in_a_hostfile_is_refused_before_horovodrun_splits_it(tmp_path):
+    """horovodrun turns hostfile lines into host:slots and splits at ':' ('::1 slots=2' became
+    host '', slots ':1:2'); mpirun gets the hostfile as it is (Open MPI reads it itself)."""
+    from hvdtrain.launch import preflight
+    from hvdtrain.launch.hostfile import read_hostfile
+    hosts = tmp_path / "hosts"
+    hosts.write_text("node1 slots=1\nfe80::1 slots=2\n")
+    with pytest.raises(PlanError, match=f"^hostfile {hosts} line 2: 'fe80::1' is an IPv6 address, "
+                                        "which horovodrun cannot take .*give the host a name"):
+        plan(launch_args(np=3, hostfile=str(hosts)), env={}, gpus=0)
+    p = plan(launch_args(np=3, hostfile=str(hosts), launcher="mpirun"), env={}, gpus=0)
+    assert p.argv[0] == "mpirun" and str(hosts) in p.argv
+    check = preflight.run_allreduce(3, read_hostfile(hosts))  # doctor: refused, nothing started
+    assert not check.ok and check.detail.startswith(f"not tried: hostfile {hosts} line 2: ")
+    assert "/etc/hosts" in check.fix
+
+
 @pytest.mark.parametrize("launcher", ["horovodrun", "mpirun", "srun"])
 def test_yield_off_is_what_the_ranks_get_and_their_record_says_who(launcher):
     from hvdtrain.launch import tuning
