@@ -64,7 +64,7 @@ PYTHON=${PYTHON:-python3.11}
 CACHE=${HVDTRAIN_CACHE:-$HOME/.cache/hvdtrain}
 CONSTRAINTS=$ROOT/requirements/constraints.txt
 HOROVOD_VERSION=0.28.1
-PATCH_ID=cxx17-noxla-py-v19  # scripts/patch_horovod.sh's changes for every build, its
+PATCH_ID=cxx17-noxla-py-v20  # scripts/patch_horovod.sh's changes for every build, its
                              # horovod_patches/ included (change on any edit)
 GPU_PATCH_ID=gpu-v1   # its further changes when torch has CUDA, and the GPU build's settings
 TF_PACKAGE=${HVDTRAIN_TF_PACKAGE:-tensorflow-cpu}
@@ -727,8 +727,11 @@ EOF
   fi
 }
 
+# The stamp names this build's key (patches included): an environment without it gets this
+# build, even where the Horovod it has passes have_horovod (an earlier revision of a patch has
+# the same markers: a checkout set up before a PATCH_ID bump kept the old build).
 horovod_stamp=$STATE/.hvdtrain-$key
-if [ ! -f "$horovod_stamp" ] && ! have_horovod >/dev/null; then
+if [ ! -f "$horovod_stamp" ]; then
   [ -z "$notice" ] || log "note: $notice"
   if [ "$mode" = gpu ]; then
     log "GPU build ($why): NCCL $nccl_v from $nccl_src, compute capabilities $cc_list ($cc_from)"

@@ -47,6 +47,11 @@ def mine(x, y, rank, size, passes=1):
     return x[pick], y[pick]
 
 
+class MySGD(keras.optimizers.SGD):
+    """A user's own optimizer class (saved with its module's name; loaded through
+    ``custom_optimizers``)."""
+
+
 def build(seed):
     keras.utils.set_random_seed(seed)
     return keras.Sequential([keras.Input((6,)), keras.layers.Dense(5, activation="tanh"),
@@ -116,10 +121,10 @@ def main() -> None:
                     hvd_keras.callbacks.MetricAverageCallback()])
     result["standalone"] = {"vs_reference": float(np.abs(w - reference()).max()),
                             "rank_spread": spread(w)}
-    # horovod.keras.PartialDistributedOptimizer: a rank-local head keeps its own weights.
+    # horovod.keras.PartialDistributedOptimizer: a rank-local head trains on this rank's
+    # gradients alone (both ranks start from the same weights).
     model = build(0)
     head = model.layers[-1]
-    head.kernel.assign(np.full(head.kernel.shape, 0.1 * (rank + 1), "float32"))
     fit(model, hvd_keras.PartialDistributedOptimizer(sgd(), local_layers=[head]), xm, ym, LOCAL)
     result["partial"] = {"shared_spread": spread(flat(model.layers[0].trainable_variables)),
                          "local_spread": spread(flat(head.trainable_variables))}
@@ -133,8 +138,10 @@ def main() -> None:
     #    process at twice the rate), or averages them with average_aggregated_gradients=True.
     xa, ya = global_batches(size, passes=2)
     data = mine(xa, ya, rank, size, passes=2)
+    # The broadcast after the first batch (not an update) leaves each rank's accumulated pass.
     opt = hvd.DistributedOptimizer(sgd(), backward_passes_per_step=2)
-    _, w = trained(0, opt, data=data)
+    model, w = trained(0, opt, [hvd.callbacks.BroadcastGlobalVariablesCallback(0)], data=data)
+    summing = model
     result["passes_sum"] = {"vs_reference": float(np.abs(w - reference(0.2, 2)).max()),
                             "rank_spread": spread(w), "updates": int(opt.iterations)}
     opt = hvd.DistributedOptimizer(sgd(), backward_passes_per_step=2,
@@ -162,11 +169,16 @@ def main() -> None:
                   epochs=3)["lr"]
     result["lr_callbacks"] = {"lr": [float(v) for v in lrs], "initial_lr": 0.1 * size}
 
-    # 4. Saved with model.save: plain Keras loads Keras's own optimizer, hvd.load_model Horovod's.
+    # 4. Saved with model.save: plain Keras loads Keras's own optimizer, hvd.load_model Horovod's
+    #    (a custom optimizer class given as custom_optimizers; k=2 still summed).
     path = os.path.join(args.dir, "model.keras")
     model, _ = trained(0, hvd.DistributedOptimizer(sgd()))
+    custom = build(0)
+    fit(custom, hvd.DistributedOptimizer(MySGD(0.1)), xm, ym, LOCAL)
     if rank == 0:
         model.save(path)
+        custom.save(os.path.join(args.dir, "custom.keras"))
+        summing.save(os.path.join(args.dir, "summing.keras"))
     hvd_tf.broadcast_object(path)  # the others wait until rank 0 has saved
     plain = keras.models.load_model(path)
     loaded = hvd.load_model(path)
@@ -182,11 +194,23 @@ def main() -> None:
         "loaded_state": float(np.abs(loaded_state - flat(model.optimizer.variables)).max()),
         "saved_variables": len(model.optimizer.variables),
         "loaded_trains": float(np.abs(after - before).max()), "loaded_spread": spread(after)}
+    again = hvd.load_model(os.path.join(args.dir, "custom.keras"), custom_optimizers=[MySGD])
+    result["saved"]["custom_optimizer"] = [type(again.optimizer).__name__,
+                                           hasattr(again.optimizer, "_allreduce")]
+    again = hvd.load_model(os.path.join(args.dir, "summing.keras"))
+    result["saved"]["summing"] = [again.optimizer.gradient_accumulation_steps,
+                                  again.optimizer._hvd_sum_of_passes]
 
     # 5. Refused, with what to do.
+    keras.mixed_precision.set_global_policy("mixed_float16")  # compile() would add loss scaling
+    fp16 = refusal(lambda: hvd.DistributedOptimizer(sgd()))
+    keras.mixed_precision.set_global_policy("float32")
     result["refused"] = {
         "loss_scale": refusal(lambda: hvd.DistributedOptimizer(
             keras.optimizers.LossScaleOptimizer(sgd()))),
+        "mixed_float16": fp16,
+        "multi": refusal(lambda: hvd.DistributedOptimizer(keras.optimizers.MultiOptimizer(
+            lambda variable: sgd()))),
         "accumulation": refusal(lambda: hvd.DistributedOptimizer(
             keras.optimizers.SGD(0.1, gradient_accumulation_steps=3),
             backward_passes_per_step=2))}

@@ -93,8 +93,9 @@ def test_horovods_keras_optimizer_trains_keras3_as_one_process(hvd_keras, case):
 
 
 def test_horovods_partial_optimizer_keeps_a_rank_local_layer_on_keras3(hvd_keras):
-    """horovod.keras.PartialDistributedOptimizer(local_layers=[head]) in model.fit: the shared
-    layer equal on both ranks, the local head apart."""
+    """horovod.keras.PartialDistributedOptimizer(local_layers=[head]) in model.fit, both ranks
+    starting from the same weights: the shared layer stays equal, the local head (trained on each
+    rank's own gradients) moves apart."""
     assert hvd_keras["partial"]["shared_spread"] == 0.0
     assert hvd_keras["partial"]["local_spread"] > 0.01
 
@@ -107,7 +108,9 @@ def test_horovods_broadcast_callback_gives_every_rank_rank0s_weights(hvd_keras):
 @pytest.mark.parametrize("case", ["passes_sum", "passes_mean"])
 def test_horovods_backward_passes_per_step_on_keras3(hvd_keras, case):
     """backward_passes_per_step=2: 6 micro-batches, 3 updates; the passes summed (one process at
-    twice the rate) or averaged (average_aggregated_gradients=True: one process, same rate)."""
+    twice the rate) or averaged (average_aggregated_gradients=True: one process, same rate). The
+    summed run has the broadcast callback, whose broadcast after the first micro-batch must leave
+    each rank's accumulated gradients alone (it took rank 0's: 0.05 off the reference)."""
     r = hvd_keras[case]
     assert r["rank_spread"] == 0.0 and r["updates"] == 3
     assert r["vs_reference"] < 1e-6
@@ -131,13 +134,16 @@ def test_horovods_learning_rate_callbacks_on_keras3(hvd_keras):
 def test_a_model_saved_with_horovods_optimizer_loads_with_and_without_horovod(hvd_keras):
     """keras.models.load_model gives Keras's own SGD (the wrapper keeps its module);
     hvd.load_model gives Horovod's optimizer with the saved state (iterations, momentum), which
-    trains on with the ranks equal."""
+    trains on with the ranks equal; a user's optimizer class comes through custom_optimizers,
+    and a model saved with backward_passes_per_step=2 still sums its 2 passes."""
     r = hvd_keras["saved"]
     assert r["plain_is_keras"] and r["plain_optimizer"].startswith("keras.")
     assert r["plain_lr"] == pytest.approx(0.1)
     assert r["saved_variables"] == 6  # iterations, rate, 4 momentums: no model weight tracked
     assert r["loaded_distributed"] and r["loaded_state"] == 0.0
     assert r["loaded_trains"] > 0.0 and r["loaded_spread"] == 0.0
+    assert r["custom_optimizer"] == ["MySGD", True]
+    assert r["summing"] == [2, 2]
 
 
 def test_horovods_keras_optimizer_refuses_what_it_cannot_do_on_keras3(hvd_keras):
@@ -145,6 +151,9 @@ def test_horovods_keras_optimizer_refuses_what_it_cannot_do_on_keras3(hvd_keras)
     assert r["loss_scale"].startswith("DistributedOptimizer cannot wrap a Keras 3 "
                                       "LossScaleOptimizer")
     assert "hvdtrain.keras.distribute" in r["loss_scale"]
+    assert r["mixed_float16"].startswith("the dtype policy is mixed_float16, so compile() would "
+                                         "wrap DistributedOptimizer in a LossScaleOptimizer")
+    assert r["multi"].startswith("DistributedOptimizer cannot wrap a Keras 3 MultiOptimizer")
     assert "gradient_accumulation_steps=3" in r["accumulation"]
     assert "backward_passes_per_step=2" in r["accumulation"]
 
