@@ -23,11 +23,11 @@ Run::
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import common
 
+from hvdtrain import runtime
 from hvdtrain.launch import tuning
 
 
@@ -67,7 +67,7 @@ def main(argv=None) -> dict:
                        common.base_env(False))
     else:  # one process with every core, on the samples all ranks take per step
         other = "one process (all cores)"
-        one = synthetic("single", "--threads", str(os.cpu_count()))
+        one = synthetic("single", "--threads", str(runtime.available_cores()))
         one[one.index("--batch-size") + 1] = str(args.batch_size * args.np)
         runs[other] = (one, common.base_env(False))
     samples = {name: [] for name in runs}

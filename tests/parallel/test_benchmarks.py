@@ -123,6 +123,22 @@ def test_compare_tiny(tmp_path):
     assert all(v > 0 for v in data["medians"].values())
 
 
+def test_compare_keras_tiny(tmp_path):
+    """--framework keras: hvdtrain.keras, Horovod's Keras layer (defaults, tuned) and one Keras
+    process on all cores, written as compare_keras.json / .png."""
+    env = job_env()
+    env["HVDTRAIN_BENCH_RESULTS"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, str(BENCH / "compare.py"), "--framework", "keras",
+                           "--repeats", "1", "--batches", "2", "--iters", "1", "--warmup", "1"],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "compare_keras.json").read_text())
+    assert (tmp_path / "compare_keras.png").stat().st_size > 1000
+    assert set(data["ratios"]) == {"hvdtrain / one process", "hvdtrain / plain Horovod (defaults)",
+                                   "hvdtrain / plain Horovod (tuned launcher)"}
+    assert all(v > 0 for v in data["medians"].values()) and data["args"]["framework"] == "keras"
+
+
 def test_trainer_tiny(tmp_path):
     env = job_env()
     env["HVDTRAIN_BENCH_RESULTS"] = str(tmp_path)
