@@ -44,9 +44,9 @@ def main(argv=None) -> dict:
     p.add_argument("--readme", action="store_true")
     args = p.parse_args(argv)
 
-    def synthetic(mode, *extra):
+    def synthetic(mode, *extra, batch_size=args.batch_size):
         return [sys.executable, str(common.HERE / "synthetic.py"), "--framework", args.framework,
-                "--model", args.model, "--mode", mode, "--batch-size", str(args.batch_size),
+                "--model", args.model, "--mode", mode, "--batch-size", str(batch_size),
                 "--num-warmup-batches", str(args.warmup), "--num-batches-per-iter",
                 str(args.batches), "--num-iters", str(args.iters), *extra]
 
@@ -61,22 +61,21 @@ def main(argv=None) -> dict:
                                            tuned),
     }
     if args.framework == "torch":
-        other = "DDP (Gloo, torchrun)"
+        other, short = "DDP (Gloo, torchrun)", "DDP"
         runs[other] = ([str(common.BIN / "torchrun"), "--standalone",
                         f"--nproc_per_node={args.np}", *synthetic("ddp")[1:]],
                        common.base_env(False))
     else:  # one process with every core, on the samples all ranks take per step
-        other = "one process (all cores)"
-        one = synthetic("single", "--threads", str(runtime.available_cores()))
-        one[one.index("--batch-size") + 1] = str(args.batch_size * args.np)
-        runs[other] = (one, common.base_env(False))
+        other, short = "one process (all cores)", "one process"
+        runs[other] = (synthetic("single", "--threads", str(runtime.available_cores()),
+                                 batch_size=args.batch_size * args.np), common.base_env(False))
     samples = {name: [] for name in runs}
     for _ in range(args.repeats):  # interleaved, so drifts in machine load hit every variant
         for name, (argv_, env) in runs.items():
             samples[name].append(common.run_json(argv_, env)["total_img_sec"])
     medians = {name: common.median(v) for name, v in samples.items()}
     h = medians["hvdtrain"]
-    ratios = {f"hvdtrain / {other.split(' (')[0]}": h / medians[other],
+    ratios = {f"hvdtrain / {short}": h / medians[other],
               "hvdtrain / plain Horovod (defaults)": h / medians["plain Horovod (defaults)"],
               "hvdtrain / plain Horovod (tuned launcher)":
                   h / medians["plain Horovod (tuned launcher)"]}
