@@ -18,8 +18,9 @@
 #      background thread woken when work is enqueued under HOROVOD_CYCLE_WAKE=1, (CMake, 12) the
 #      libraries built without debug info, (C++, 13) Gloo's event loop yielding its core while a
 #      pair is locked instead of spinning, (C++, 14) hvd.init() after hvd.shutdown() starting
-#      from the parameters as constructed, and (15) Horovod's Keras layer all-reducing on Keras 3
-#      (docs/install.md lists them all).
+#      from the parameters as constructed, (15) Horovod's Keras layer all-reducing on Keras 3, and
+#      (16) horovod.torch's unnamed collectives named alike on every rank after hvd.join() or a
+#      process set (docs/install.md lists them all).
 # Each change is checked once made; running it again on a patched tree changes nothing. A file
 # without the expected text (not Horovod 0.28.1?) stops it with exit status 1.
 set -euo pipefail

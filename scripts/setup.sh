@@ -64,7 +64,7 @@ PYTHON=${PYTHON:-python3.11}
 CACHE=${HVDTRAIN_CACHE:-$HOME/.cache/hvdtrain}
 CONSTRAINTS=$ROOT/requirements/constraints.txt
 HOROVOD_VERSION=0.28.1
-PATCH_ID=cxx17-noxla-py-v21  # scripts/patch_horovod.sh's changes for every build, its
+PATCH_ID=cxx17-noxla-py-v22  # scripts/patch_horovod.sh's changes for every build, its
                              # horovod_patches/ included (change on any edit)
 GPU_PATCH_ID=gpu-v1   # its further changes when torch has CUDA, and the GPU build's settings
 TF_PACKAGE=${HVDTRAIN_TF_PACKAGE:-tensorflow-cpu}
@@ -649,6 +649,7 @@ import horovod.common.basics
 assert getattr(horovod.common.basics, "CYCLE_WAKE", 0) >= 4  # scripts/horovod_patches/08-*
 import horovod.torch.mpi_ops
 assert getattr(horovod.torch.mpi_ops, "WAIT_BLOCKS", 0) >= 1  # scripts/horovod_patches/11-*
+assert getattr(horovod.torch.mpi_ops, "UNNAMED_OPS_PER_PROCESS_SET", 0) >= 1  # .../16-*
 assert getattr(horovod.common.basics, "GLOO_LOOP_YIELD", 0) >= 2  # scripts/horovod_patches/13-*
 import horovod.common.elastic
 assert getattr(horovod.common.elastic, "PARAMETERS_RESTART", 0) >= 1  # scripts/horovod_patches/14-*

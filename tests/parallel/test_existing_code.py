@@ -40,6 +40,29 @@ def test_distribute_twice_says_what_to_do(torch_habits):
     assert "call distribute() once per model" in message
 
 
+def test_unnamed_collectives_after_hvd_join_with_uneven_data(pools, tmp_path):
+    """Rank 1 takes one step more than rank 0, which waits in hvd.join(); then hvd.allreduce,
+    allgather, broadcast, alltoall, reducescatter and grouped_allreduce without a name. Before
+    scripts/horovod_patches/16-*, the first of them waited forever ("Missing ranks: 0:
+    [allreduce.noname.N] 1: [allreduce.noname.N+2]"); a hang ends the pool in 2 min."""
+    out = tmp_path / "result.json"
+    pools.get().run(rank_script("torch_habits.py"), "--join", "--out", out, timeout=120)
+    result = json.loads(out.read_text())
+    join = result["join"]
+    assert join["rank_spread"] == 0.0  # every rank took the last joined rank's weights
+    size = result["size"]
+    for rank, seen in enumerate(join["ranks"]):
+        assert seen == {
+            "last_joined": size - 1,
+            "allreduce": [size * (size + 1) / 2],
+            "allgather": [float(r) for r in range(size)],
+            "broadcast": [float(size - 1)],
+            "alltoall": [10.0 * r + rank for r in range(size)],
+            "reducescatter": [size * (size + 1) / 2],
+            "grouped_allreduce": [[size * (size - 1) / 2], [float(size)] * 2],
+        }, rank
+
+
 @pytest.fixture(scope="module")
 def tf_habits(pools, tmp_path_factory):
     out = tmp_path_factory.mktemp("tf_habits") / "result.json"

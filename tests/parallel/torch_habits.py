@@ -1,12 +1,14 @@
 """PyTorch and Horovod habits on hvdtrain.torch's optimizer, on real ranks: zero_grad(set_to_none=...),
 several models (each through distribute(), or one through Horovod's own DistributedOptimizer
 beside them) with gradients in one backward pass, parameters added with add_param_group() or
-unfrozen after distribute(), distribute() twice. Every trained case is compared with one process training on the global batch.
+unfrozen after distribute(), distribute() twice; Horovod's hvd.join() for uneven data, then the
+collectives users call without a name. Every trained case is compared with one process training
+on the global batch.
 Rank 0 writes what it saw as JSON; tests/parallel/test_existing_code.py asserts on it.
 
 Launch::
 
-    horovodrun -np 2 python tests/parallel/torch_habits.py --out result.json
+    horovodrun -np 2 python tests/parallel/torch_habits.py --out result.json [--join]
 """
 import argparse
 import json
@@ -130,13 +132,54 @@ def distribute_twice():
     return "no error"
 
 
+def join_then_unnamed_collectives(size, rank):
+    """Horovod's habit for uneven data: rank r takes STEPS - 1 + r steps with Horovod's own
+    DistributedOptimizer, ends its loop with ``hvd.join()`` and takes the weights of the last rank
+    to join; then the collectives users call without a name (a validation metric's all-reduce).
+    Before scripts/horovod_patches/16-*, the ranks named those after their own count of
+    operations, which the steps taken alone had made unequal, and the first one waited forever."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters())
+    for x, y in batches(size)[:STEPS - 1 + rank]:
+        optimizer.zero_grad()
+        F.cross_entropy(model(shard(x, rank)), shard(y, rank)).backward()
+        optimizer.step()
+    last = hvd.join()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=last)
+    r = float(rank)
+    seen = {
+        "last_joined": last,
+        "allreduce": hvd.allreduce(torch.tensor([r + 1]), op=hvd.Sum).tolist(),
+        "allgather": hvd.allgather(torch.tensor([r])).tolist(),
+        "broadcast": hvd.broadcast(torch.tensor([r]), root_rank=size - 1).tolist(),
+        "alltoall": hvd.alltoall(torch.arange(size, dtype=torch.float32) + 10 * r).tolist(),
+        "reducescatter": hvd.reducescatter(torch.full((size,), r + 1), op=hvd.Sum).tolist(),
+        "grouped_allreduce": [t.tolist() for t in hvd.grouped_allreduce(
+            [torch.tensor([r]), torch.ones(2)], op=hvd.Sum)],
+    }
+    weights = flat(model)
+    spread = max((w - weights).abs().max().item() for w in hvd.allgather_object(weights))
+    return {"ranks": hvd.allgather_object(seen), "rank_spread": spread}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
+    p.add_argument("--join", action="store_true",
+                   help="only join_then_unnamed_collectives (a request of its own: a hang there "
+                        "ends the pool, not the other cases)")
     args = p.parse_args()
     info = ht.init(seed=0)
     size, rank = info.size, info.rank
     result = {"size": size}
+    if args.join:
+        result["join"] = join_then_unnamed_collectives(size, rank)
+        if rank == 0:
+            with open(args.out, "w") as f:
+                json.dump(result, f)
+        return
     for name, kind, set_to_none in (("hvdtrain_set_to_none", "both_hvdtrain", True),
                                     ("hvdtrain_zeros", "both_hvdtrain", False),
                                     ("beside_horovod", "beside_horovod", True),
