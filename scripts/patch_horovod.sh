@@ -20,7 +20,8 @@
 #      pair is locked instead of spinning, (C++, 14) hvd.init() after hvd.shutdown() starting
 #      from the parameters as constructed, (15) Horovod's Keras layer all-reducing on Keras 3, and
 #      (16) horovod.torch's unnamed collectives named alike on every rank after hvd.join() or a
-#      process set (docs/install.md lists them all).
+#      process set, and (17) bfloat16 tensors in horovod.torch and horovod.tensorflow
+#      (docs/install.md lists them all).
 # Each change is checked once made; running it again on a patched tree changes nothing. A file
 # without the expected text (not Horovod 0.28.1?) stops it with exit status 1.
 set -euo pipefail

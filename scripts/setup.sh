@@ -64,7 +64,7 @@ PYTHON=${PYTHON:-python3.11}
 CACHE=${HVDTRAIN_CACHE:-$HOME/.cache/hvdtrain}
 CONSTRAINTS=$ROOT/requirements/constraints.txt
 HOROVOD_VERSION=0.28.1
-PATCH_ID=cxx17-noxla-py-v22  # scripts/patch_horovod.sh's changes for every build, its
+PATCH_ID=cxx17-noxla-py-v23  # scripts/patch_horovod.sh's changes for every build, its
                              # horovod_patches/ included (change on any edit)
 GPU_PATCH_ID=gpu-v1   # its further changes when torch has CUDA, and the GPU build's settings
 TF_PACKAGE=${HVDTRAIN_TF_PACKAGE:-tensorflow-cpu}
@@ -637,6 +637,8 @@ if sys.argv[2]:
     assert hasattr(horovod.tensorflow.elastic, "_optimizer_variables")  # scripts/horovod_patches/09-*
     import horovod._keras
     assert getattr(horovod._keras, "KERAS3_OPTIMIZER", 0) >= 1  # scripts/horovod_patches/15-*
+    import horovod.tensorflow.mpi_ops
+    assert getattr(horovod.tensorflow.mpi_ops, "BFLOAT16", 0) >= 1  # scripts/horovod_patches/17-*
 assert horovod.__version__ == sys.argv[1]
 assert ht.mpi_built() and ht.gloo_built()
 # A Horovod built before the patches (scripts/horovod_patches/05-*, 07-*, 08-*, 10-*, 11-*, 13-*,
@@ -650,6 +652,7 @@ assert getattr(horovod.common.basics, "CYCLE_WAKE", 0) >= 4  # scripts/horovod_p
 import horovod.torch.mpi_ops
 assert getattr(horovod.torch.mpi_ops, "WAIT_BLOCKS", 0) >= 1  # scripts/horovod_patches/11-*
 assert getattr(horovod.torch.mpi_ops, "UNNAMED_OPS_PER_PROCESS_SET", 0) >= 1  # .../16-*
+assert getattr(horovod.torch.mpi_ops, "BFLOAT16", 0) >= 1  # scripts/horovod_patches/17-*
 assert getattr(horovod.common.basics, "GLOO_LOOP_YIELD", 0) >= 2  # scripts/horovod_patches/13-*
 import horovod.common.elastic
 assert getattr(horovod.common.elastic, "PARAMETERS_RESTART", 0) >= 1  # scripts/horovod_patches/14-*

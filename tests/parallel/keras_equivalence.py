@@ -30,7 +30,7 @@ def dataset(n: int):
 
 
 def flat(model) -> np.ndarray:
-    return np.concatenate([w.reshape(-1) for w in model.get_weights()])
+    return np.concatenate([w.reshape(-1).astype(np.float32) for w in model.get_weights()])
 
 
 class CountSteps(keras.callbacks.Callback):
@@ -43,6 +43,7 @@ def parallel(args) -> None:
     from hvdtrain.keras.collectives import allgather_object
 
     info = hk.init(seed=SEED, threads=1)
+    keras.config.set_dtype_policy(args.dtype_policy)  # the pool sets float32 back afterwards
     model = build_model()
     optimizer = keras.optimizers.SGD(BASE_LR, momentum=MOMENTUM)
     model, optimizer = hk.distribute(model, optimizer, backward_passes_per_step=args.k,
@@ -63,6 +64,7 @@ def parallel(args) -> None:
         np.savez(args.out, weights=weights[0], steps=counter.micro_batches // args.k,
                  rank_spread=spread, size=info.size, jit_compile=bool(model.jit_compile),
                  overlapped_steps=overlap.steps if overlap is not None else -1,
+                 dtypes=sorted({str(v.dtype) for v in model.weights}),
                  xla_split=bool(getattr(model, "hvdtrain_xla_split", False)))
 
 
@@ -77,6 +79,7 @@ def reference(args) -> None:
         import torch
         torch.set_num_threads(1)
     keras.utils.set_random_seed(SEED)
+    keras.config.set_dtype_policy(args.dtype_policy)
     model = build_model()
     n = args.world_size * args.k
     model.compile(optimizer=keras.optimizers.SGD(BASE_LR * n, momentum=MOMENTUM), loss=LOSS,
@@ -97,6 +100,9 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--reference", action="store_true")
     p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--dtype-policy", default="float32",
+                   help="keras.config.set_dtype_policy before the model is built (bfloat16: "
+                        "weights, gradients and the update in bfloat16)")
     p.add_argument("--jit-compile", default="false", choices=("auto", "true", "false"),
                    help="the parallel run's model.compile(jit_compile=...)")
     args = p.parse_args()

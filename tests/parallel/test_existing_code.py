@@ -93,6 +93,15 @@ def test_sync_batch_normalization_uses_the_global_batch_on_keras3(tf_habits):
     assert r["plain_vs_reference"] > 100 * max(r["vs_reference"], 1e-6)
 
 
+def test_horovods_tensorflow_collectives_take_bfloat16(tf_habits):
+    """allreduce (sum, average, in a tf.function), grouped_allreduce beside a float32 tensor:
+    the float32 result rounded once, bit for bit; allgather, broadcast, alltoall and
+    broadcast_variables: the same bits (scripts/horovod_patches/17-*)."""
+    for rank, checks in enumerate(tf_habits["bf16_collectives"]):
+        assert checks == dict.fromkeys(checks, True), (rank, checks)
+        assert len(checks) == 8
+
+
 @pytest.fixture(scope="module")
 def hvd_keras(pools, tmp_path_factory):
     folder = tmp_path_factory.mktemp("hvd_keras")

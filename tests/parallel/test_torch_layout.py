@@ -1,5 +1,6 @@
 """hvdtrain.torch on 2 real ranks (the session's rank pool) for what GPU jobs rely on, checked on
-the CPU: channels_last models and BatchNorm statistics (tests/parallel/torch_layout_checks.py)."""
+the CPU: channels_last models and BatchNorm statistics (tests/parallel/torch_layout_checks.py),
+bfloat16 models and tensors (tests/parallel/torch_bf16_checks.py)."""
 import json
 
 import pytest
@@ -9,11 +10,16 @@ from jobs import rank_script
 SIZE = 2
 
 
+def result_of(pools, tmp_path_factory, script: str) -> dict:
+    """One request of ``script`` to the torch pool; what its rank 0 wrote."""
+    out = tmp_path_factory.mktemp(script.removesuffix(".py")) / "result.json"
+    pools.get().run(rank_script(script), "--out", out)
+    return json.loads(out.read_text())
+
+
 @pytest.fixture(scope="module")
 def checks(pools, tmp_path_factory):
-    out = tmp_path_factory.mktemp("layout") / "result.json"
-    pools.get().run(rank_script("torch_layout_checks.py"), "--out", out)
-    return json.loads(out.read_text())
+    return result_of(pools, tmp_path_factory, "torch_layout_checks.py")
 
 
 @pytest.mark.parametrize("case", ["none_k2", "fp16_k1"])
@@ -67,3 +73,32 @@ def test_batchnorm_errors_say_what_to_do(checks):
 
 def test_rank_info_names_the_device(checks):
     assert checks["size"] == SIZE and checks["device"] == "cpu"
+
+
+@pytest.fixture(scope="module")
+def bf16(pools, tmp_path_factory):
+    return result_of(pools, tmp_path_factory, "torch_bf16_checks.py")
+
+
+@pytest.mark.parametrize("kind", ["hvdtrain", "horovod"])
+def test_a_bfloat16_model_trains_as_one_process_on_the_global_batch(bf16, kind):
+    """A model in bfloat16 (weights, gradients, momentum) through distribute(), or through
+    Horovod's DistributedOptimizer with broadcast_parameters and broadcast_optimizer_state from
+    a rank 1 that started elsewhere: bit for bit the one-process reference (each rank's shard
+    gradient averaged in float32, rounded once), ranks identical. Before
+    scripts/horovod_patches/17-*: "Tensor type torch.BFloat16Tensor is not supported."."""
+    r = bf16["trained"][kind]
+    assert r["dtypes"] == ["torch.bfloat16"]
+    assert r["moved"] > 0.01  # it trained
+    assert r["equal_to_reference"] is True
+    assert r["ranks_equal"] is True
+
+
+def test_every_collective_takes_bfloat16_tensors(bf16):
+    """allreduce (sum, average, min, max, in place), grouped_allreduce beside a float32 tensor
+    and reducescatter: the float32 result rounded once, bit for bit; allgather, broadcast (also
+    in place) and alltoall: the same bits, a NaN's payload, -0.0, inf and a subnormal too."""
+    assert len(bf16["collectives"]) == SIZE
+    for rank, checks in enumerate(bf16["collectives"]):
+        assert checks == dict.fromkeys(checks, True), (rank, checks)
+        assert len(checks) == 11

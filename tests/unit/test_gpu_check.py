@@ -64,7 +64,7 @@ def _cpu_env(tmp_path) -> dict:
 
 def test_a_failed_set_up_is_recorded_and_nothing_runs_after_it(tmp_path):
     # A Horovod wheel kept by an earlier run goes into set-up's cache first (under its key).
-    key = "horovod-0.28.1-torch2.11.0-notf-cp312-cxx17-noxla-py-v22-cu130-cc90-nccl2.28.9-gpu-v1"
+    key = "horovod-0.28.1-torch2.11.0-notf-cp312-cxx17-noxla-py-v23-cu130-cc90-nccl2.28.9-gpu-v1"
     wheel = "horovod-0.28.1-cp312-cp312-linux_x86_64.whl"
     (tmp_path / "kept" / key).mkdir(parents=True)
     (tmp_path / "kept" / key / wheel).write_bytes(b"a wheel")

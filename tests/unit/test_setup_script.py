@@ -148,7 +148,7 @@ def test_cuda_torch_and_nvcc_give_an_nccl_build_for_the_gpus_present(tmp_path):
     env, nccl = _gpu_env(tmp_path)
     plan = _plan(env)
     assert plan["mode"] == "gpu" and "has CUDA 13.0 and nvcc is" in plan["why"]
-    assert plan["key"] == ("horovod-0.28.1-torch2.11.0-notf-cp312-cxx17-noxla-py-v22"
+    assert plan["key"] == ("horovod-0.28.1-torch2.11.0-notf-cp312-cxx17-noxla-py-v23"
                            "-cu130-cc90-nccl2.27.3-gpu-v1")
     build = plan["env"]
     assert build["HOROVOD_GPU_OPERATIONS"] == "NCCL"
@@ -259,7 +259,7 @@ def test_without_nvcc_a_cuda_torch_gets_a_cpu_build_with_a_notice(tmp_path):
     assert plan["mode"] == "cpu" and "no nvcc" in plan["notice"]
     assert "HOROVOD_GPU_OPERATIONS" not in plan["env"]
     # torch's CUDA still makes Horovod compile its CUDA kernels: CUDA patches, own key.
-    assert plan["key"] == "horovod-0.28.1-torch2.11.0-notf-cp312-cxx17-noxla-py-v22-cu130-nonccl-gpu-v1"
+    assert plan["key"] == "horovod-0.28.1-torch2.11.0-notf-cp312-cxx17-noxla-py-v23-cu130-nonccl-gpu-v1"
     assert any("CMAKE_CUDA_STANDARD" in p for p in plan["patch"])
 
     proc = _setup(_env(tmp_path, nvcc=None, HVDTRAIN_PYTHON=py, HVDTRAIN_GPU=1), "--plan")
@@ -287,7 +287,7 @@ def test_default_cpu_plan_keeps_the_cpu_key_and_build(tmp_path):
     _fake_python(tmp_path / "venv", CPU_FACTS)
     plan = _plan(_env(tmp_path, VENV=tmp_path / "venv"))
     assert plan["mode"] == "cpu" and plan["why"] == "torch 2.13.0+cpu is a CPU build"
-    assert plan["key"] == "horovod-0.28.1-torch2.13.0-tf2.21.0-cp311-cxx17-noxla-py-v22"
+    assert plan["key"] == "horovod-0.28.1-torch2.13.0-tf2.21.0-cp311-cxx17-noxla-py-v23"
     cores = len(os.sched_getaffinity(0))
     assert plan["env"] == {"CMAKE_POLICY_VERSION_MINIMUM": "3.5", "HOROVOD_WITH_PYTORCH": "1",
                            "HOROVOD_WITH_TENSORFLOW": "1", "HOROVOD_WITHOUT_MXNET": "1",
@@ -310,7 +310,7 @@ def test_default_plan_on_this_checkouts_venv():
     torch_v = md.version("torch").split("+")[0]
     tf_v = md.version("tensorflow-cpu")
     py = "cp%d%d" % sys.version_info[:2]
-    assert f"key={CPU_KEY_PREFIX}{torch_v}-tf{tf_v}-{py}-cxx17-noxla-py-v22\n" in proc.stdout
+    assert f"key={CPU_KEY_PREFIX}{torch_v}-tf{tf_v}-{py}-cxx17-noxla-py-v23\n" in proc.stdout
     assert "mode=cpu\n" in proc.stdout
 
 
@@ -396,7 +396,7 @@ def test_gpu_setup_end_to_end_with_stand_ins(tmp_path):
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("[setup] GPU build (torch 2.11.0+cu130 has CUDA 13.0 and nvcc is ")
     assert "NCCL 2.27.3 from the nvidia-nccl-cu13 2.27.3 wheel, compute capabilities 90" in lines[0]
-    key = "horovod-0.28.1-torch2.11.0-notf-cp312-cxx17-noxla-py-v22-cu130-cc90-nccl2.27.3-gpu-v1"
+    key = "horovod-0.28.1-torch2.11.0-notf-cp312-cxx17-noxla-py-v23-cu130-cc90-nccl2.27.3-gpu-v1"
     assert lines[1].startswith("[setup] building Horovod 0.28.1 with NCCL") and key in lines[1]
     assert lines[3] == ("[setup] Horovod built with frameworks PyTorch; controllers MPI, Gloo; "
                         "tensor operations NCCL, MPI, Gloo")
