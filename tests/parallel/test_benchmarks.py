@@ -14,13 +14,15 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 TINY = ["--num-warmup-batches", "1", "--num-batches-per-iter", "2", "--num-iters", "2"]
 
 
-def bench(tmp_path, script, *args):
+def bench(tmp_path, script, *args, name=None):
+    """Run benchmarks/``script``; its results ``<name>.json`` (``name``: the script's, unless
+    given) and the stdout. Its ``<name>.png`` must exist too."""
     env = job_env()
     env["HVDTRAIN_BENCH_RESULTS"] = str(tmp_path)
     proc = subprocess.run([sys.executable, str(BENCH / script), *args], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    name = script.removesuffix(".py")
+    name = name or script.removesuffix(".py")
     assert (tmp_path / f"{name}.png").stat().st_size > 1000
     return json.loads((tmp_path / f"{name}.json").read_text()), proc.stdout
 
@@ -126,14 +128,8 @@ def test_compare_tiny(tmp_path):
 def test_compare_keras_tiny(tmp_path):
     """--framework keras: hvdtrain.keras, Horovod's Keras layer (defaults, tuned) and one Keras
     process on all cores, written as compare_keras.json / .png."""
-    env = job_env()
-    env["HVDTRAIN_BENCH_RESULTS"] = str(tmp_path)
-    proc = subprocess.run([sys.executable, str(BENCH / "compare.py"), "--framework", "keras",
-                           "--repeats", "1", "--batches", "2", "--iters", "1", "--warmup", "1"],
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads((tmp_path / "compare_keras.json").read_text())
-    assert (tmp_path / "compare_keras.png").stat().st_size > 1000
+    data, _ = bench(tmp_path, "compare.py", "--framework", "keras", "--repeats", "1",
+                    "--batches", "2", "--iters", "1", "--warmup", "1", name="compare_keras")
     assert set(data["ratios"]) == {"hvdtrain / one process", "hvdtrain / plain Horovod (defaults)",
                                    "hvdtrain / plain Horovod (tuned launcher)"}
     assert all(v > 0 for v in data["medians"].values()) and data["args"]["framework"] == "keras"

@@ -22,6 +22,20 @@ def discovery_script(tmp_path, text="localhost:2\n"):
     return str(path)
 
 
+def finished(argv: list[str], env: dict, timeout: float) -> tuple[int | None, str]:
+    """Run ``argv`` in a session of its own: ``(exit status, stdout and stderr)``. Still running
+    after ``timeout`` seconds: its whole session is killed (its process group, by id) and the
+    status is None."""
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, output
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return None, proc.communicate()[0]
+
+
 @pytest.mark.parametrize("keras", ["keras3", "keras2"])
 def test_horovods_tf2_elastic_state_restores_the_committed_state(tmp_path, keras):
     # Before (scripts/horovod_patches/09-*): on Keras 3 every rank stopped in the state's
@@ -71,18 +85,10 @@ def test_launch_elastic_on_this_host_starts_without_network_interfaces(tmp_path)
     argv = [str(BIN / "hvdtrain"), "launch", "--elastic", "-np", "2", "--min-np", "1",
             "--max-np", "2", "--host-discovery-script", discovery_script(tmp_path), "--",
             sys.executable, str(worker), str(out)]
-    proc = subprocess.Popen(argv, env={**job_env(), **SHARED_CORES_ENV}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"hvdtrain launch --elastic still running after 180 s:\n{output[-4000:]}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, output[-4000:]
+    code, output = finished(argv, {**job_env(), **SHARED_CORES_ENV}, 180)
+    assert code is not None, \
+        f"hvdtrain launch --elastic still running after 180 s:\n{output[-4000:]}"
+    assert code == 0, output[-4000:]
     assert "--network-interfaces lo" in output  # the printed command line says what was added
     assert sorted(p.name for p in out.iterdir()) == ["rank0", "rank1"]
     assert {p.read_text() for p in out.iterdir()} == {"2"}
@@ -99,13 +105,9 @@ def reinit(tmp_path_factory):
             *script("torch_reinit.py"), str(out)]
     env = {**job_env(), **SHARED_CORES_ENV, "HOROVOD_CYCLE_TIME": "10",
            "HOROVOD_FUSION_THRESHOLD": "4194304"}
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        output, code = proc.communicate(timeout=180)[0], proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, code = proc.communicate()[0] + "\n(ended after 180 s: a hung collective?)", None
+    code, output = finished(argv, env, 180)
+    if code is None:
+        output += "\n(ended after 180 s: a hung collective?)"
     return code, output[-12000:], out
 
 

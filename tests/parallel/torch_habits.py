@@ -132,6 +132,11 @@ def distribute_twice():
     return "no error"
 
 
+def rank_spread(weights):
+    """The largest difference between this rank's ``weights`` and any rank's."""
+    return max((w - weights).abs().max().item() for w in hvd.allgather_object(weights))
+
+
 def join_then_unnamed_collectives(size, rank):
     """Horovod's habit for uneven data: rank r takes STEPS - 1 + r steps with Horovod's own
     DistributedOptimizer, ends its loop with ``hvd.join()`` and takes the weights of the last rank
@@ -159,9 +164,7 @@ def join_then_unnamed_collectives(size, rank):
         "grouped_allreduce": [t.tolist() for t in hvd.grouped_allreduce(
             [torch.tensor([r]), torch.ones(2)], op=hvd.Sum)],
     }
-    weights = flat(model)
-    spread = max((w - weights).abs().max().item() for w in hvd.allgather_object(weights))
-    return {"ranks": hvd.allgather_object(seen), "rank_spread": spread}
+    return {"ranks": hvd.allgather_object(seen), "rank_spread": rank_spread(flat(model))}
 
 
 def main() -> None:
@@ -187,9 +190,8 @@ def main() -> None:
                                     ("two_late_groups", "two_late_groups", True),
                                     ("unfreeze", "unfreeze", True)):
         weights, grads = train(size, rank, kind, set_to_none)
-        spread = max((w - weights).abs().max().item() for w in hvd.allgather_object(weights))
         result[name] = {"vs_reference": (weights - reference(size, kind, set_to_none)).abs().max().item(),
-                        "rank_spread": spread, "grads_after_zero_grad": grads}
+                        "rank_spread": rank_spread(weights), "grads_after_zero_grad": grads}
     result["distribute_twice"] = distribute_twice()
     if rank == 0:
         with open(args.out, "w") as f:
