@@ -58,12 +58,18 @@ side_log=$work/side.log
 # What one session makes and the other can reuse (tests/conftest.py: the engines' MNIST reference).
 export HVDTRAIN_TEST_SHARED=$work/shared
 mkdir -p "$HVDTRAIN_TEST_SHARED"
+# Every temporary file of both sessions and of what they start (ranks, torchrun, Spark's Python
+# workers, mpirun's session directory, pytest's tmp_path) lands in $work, removed at the end: a
+# killed rank or worker leaves nothing in /tmp. (Ray's session files stay in /tmp, for the
+# length of its socket paths; tests/ray removes them.)
+export TMPDIR=$work/t
+mkdir -p "$TMPDIR"
 # Its own temporary folder and no shared cache: two pytest sessions never write the same file.
 "$PY" -m pytest "${SIDE[@]}" "${BESIDE[@]}" --basetemp "$work/tmp" -p no:cacheprovider "$@" \
     >"$side_log" 2>&1 &
 side=$!
 # Ctrl-C or a kill of make ends the side session too.
-trap 'kill "$side" 2>/dev/null; wait "$side" 2>/dev/null; exit 130' INT TERM
+trap 'kill "$side" 2>/dev/null; wait "$side" 2>/dev/null; rm -rf "$work"; exit 130' INT TERM
 
 echo "[test] ${SIDE[*]} ${BESIDE[*]}: running beside this session (pid $side), its output follows at the end"
 "$PY" -m pytest "${MAIN[@]}" "${BESIDE[@]/#/--ignore=}" "$@"
@@ -77,7 +83,11 @@ echo "======== ${SIDE[*]} (run beside the session above) ========"
 cat "$side_log"
 echo
 echo "[test] ${MAIN[*]}: exit $main_rc; ${SIDE[*]}: exit $side_rc"
-rm -rf "$work"
+if [ "$main_rc" = 0 ] && [ "$side_rc" = 0 ]; then
+    rm -rf "$work"
+else  # the failed tests' tmp_path and the jobs' files, to read
+    echo "[test] kept $work (TMPDIR of both sessions) for the failures above; rm -rf it after"
+fi
 if ((main_rc != 0 || side_rc != 0)); then
     exit 1
 fi

@@ -17,6 +17,11 @@ torchrun), with Horovod's Gloo rendezvous hosted by task 0::
 
     python -m hvdtrain.spark --master spark://HOST:7077 -np 2 -- hvdtrain train --dataset mnist
 
+A DataFrame as the ranks' training data (in place of Horovod's Spark Estimators and their Store)::
+
+    data = hvdtrain.spark.save_dataframe(df, "/shared/train", columns=["features", "label"])
+    hvdtrain.spark.run(main, 2, args=(data,))   # in main: data.shard(hvd.rank(), hvd.size())
+
 Needs ``pip install hvdtrain[spark]`` (pyspark) on the driver and the executors, hvdtrain and
 Horovod on the executors, and a classic SparkContext (not Spark Connect). Importing this module
 does not import pyspark; ``import hvdtrain`` does not import this module. docs/engines/spark.md
@@ -24,9 +29,11 @@ has the cluster set-up, the fault behaviour and the migration from ``horovod.spa
 """
 from __future__ import annotations
 
+from hvdtrain.spark.data import SavedDataFrame, save_dataframe
 from hvdtrain.spark.driver import NotEnoughSlotsError, SparkJobError
 
-__all__ = ["run", "run_command", "HorovodRunner", "SparkJobError", "NotEnoughSlotsError"]
+__all__ = ["run", "run_command", "HorovodRunner", "SparkJobError", "NotEnoughSlotsError",
+           "save_dataframe", "SavedDataFrame"]
 
 
 def run(main, num_proc: int, args: tuple = (), kwargs: dict | None = None, *, spark=None,

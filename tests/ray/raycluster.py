@@ -116,8 +116,8 @@ class LocalRayCluster:
         self.address = f"{LOOPBACK}:{port}"
         self.procs: list[subprocess.Popen] = []
         # Ray's session files (sockets among them: AF_UNIX paths must stay under 108 bytes,
-        # too short for pytest's tmp_path), removed by stop().
-        self.temp_dir = tempfile.mkdtemp(prefix="hvdtrain-ray-")
+        # too short for pytest's tmp_path or scripts/test.sh's TMPDIR), removed by stop().
+        self.temp_dir = tempfile.mkdtemp(prefix="hvdtrain-ray-", dir="/tmp")
 
     def _ports(self, index: int) -> list[str]:
         # Worker ports below the kernel's ephemeral range (32768-60999), so that no free_port()

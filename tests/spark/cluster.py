@@ -55,12 +55,14 @@ def own_dir() -> Path:
     """This process's directory for what Spark and the ranks would read from the user's home
     or Spark set-up, made on first use and removed at exit: ``home/`` (HOME), ``conf/``
     (``SPARK_CONF_DIR``: ``spark-defaults.conf`` setting ``spark.jars.ivy`` to ``ivy/``, and
-    :data:`JAVA_OPTIONS` for drivers and executors) and ``keras/`` (``KERAS_HOME``)."""
+    :data:`JAVA_OPTIONS` for drivers and executors), ``keras/`` (``KERAS_HOME``) and ``local/``
+    (``SPARK_LOCAL_DIRS``: the daemons' and executors' scratch space, which a killed worker would
+    otherwise leave in the JVM's /tmp)."""
     global _OWN
     if _OWN is None:
         _OWN = Path(tempfile.mkdtemp(prefix="hvdtrain-spark-own-"))
         atexit.register(shutil.rmtree, _OWN, ignore_errors=True)
-        for name in ("home", "conf", "ivy", "keras"):
+        for name in ("home", "conf", "ivy", "keras", "local"):
             (_OWN / name).mkdir()
         (_OWN / "conf" / "spark-defaults.conf").write_text(
             f"spark.jars.ivy {_OWN / 'ivy'}\n"
@@ -83,7 +85,7 @@ def spark_env() -> dict:
     env.update(SPARK_LOCAL_IP=LOOPBACK, SPARK_LOCAL_HOSTNAME="localhost",
                PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable,
                SPARK_HOME=str(Path(pyspark.__file__).parent), SPARK_CONF_DIR=str(own / "conf"),
-               SPARK_DAEMON_JAVA_OPTS=JAVA_OPTIONS,
+               SPARK_LOCAL_DIRS=str(own / "local"), SPARK_DAEMON_JAVA_OPTS=JAVA_OPTIONS,
                HOME=str(own / "home"), KERAS_HOME=str(own / "keras"),
                HVDTRAIN_CACHE=str(cache_dir()))
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"

@@ -6,6 +6,7 @@ Writes what each call returned or raised to OUT.json; tests/spark/test_spark_eng
 """
 import io
 import json
+import os
 import sys
 import time
 
@@ -34,9 +35,18 @@ def failing_job():
     return "unreachable"
 
 
-def keras_job():
+def features(seed=0):
+    """The training data of :func:`keras_job`: 64 rows of 8 features and a label of 3 classes."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((64, 8)), rng.integers(0, 3, 64)
+
+
+def keras_job(data):
     """Every rank: the Keras adapter on the backend KERAS_BACKEND names (set by run's ``env``),
-    a few optimizer steps; rank 0's weights and how far the other ranks' are from them."""
+    a few optimizer steps on the rows of a saved DataFrame (``data``: its ``id``, ``features``
+    and ``label``); rank 0's weights and how far the other ranks' are from them, and each rank's
+    shard of the DataFrame."""
     import numpy as np
     import keras
 
@@ -48,16 +58,44 @@ def keras_job():
     model, opt = hk.distribute(model, keras.optimizers.SGD(0.05, momentum=0.9))
     model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
         from_logits=True), jit_compile=False)
-    rng = np.random.default_rng(0)
-    x, y = rng.standard_normal((64, 8)).astype("float32"), rng.integers(0, 3, 64)
+    whole = data.read()  # every row, in the saved (shuffled) order; sharded by shard_dataset
+    x, y = whole["features"].astype("float32"), whole["label"]
     model.fit(hk.shard_dataset(x, y, batch_size=8, shuffle=False, info=info), epochs=2,
               steps_per_epoch=4, verbose=0)
     flat = np.concatenate([w.reshape(-1) for w in model.get_weights()])
     every = allgather_object(flat)
+    part = data.shard(info.rank, info.size)  # this rank's rows only
+    want_x, want_y = features()
+    ids = part["id"]
     return {"backend": keras.backend.backend(), "size": info.size,
             "steps": hk.micro_batch_count(opt),
             "spread": max(float(np.abs(w - every[0]).max()) for w in every),
-            "moved": float(np.abs(flat).sum())}
+            "moved": float(np.abs(flat).sum()),
+            "shards": allgather_object(ids.tolist()),
+            "whole_ids": whole["id"].tolist(),
+            "rows_match": bool((part["features"] == want_x[ids]).all()
+                               and (part["label"] == want_y[ids]).all()
+                               and (x[np.argsort(whole["id"])] == want_x.astype("float32")).all()),
+            "dtypes": [str(part["features"].dtype), str(part["label"].dtype)]}
+
+
+def saved_dataframe(spark, folder):
+    """The rows of :func:`features` as a DataFrame (8 double columns put together by Spark ML's
+    VectorAssembler), saved with :func:`hvdtrain.spark.save_dataframe`; and what a string column
+    raised, before anything was written."""
+    from pyspark.ml.feature import VectorAssembler
+
+    import hvdtrain.spark as hs
+    x, y = features()
+    names = [f"f{i}" for i in range(8)]
+    df = spark.createDataFrame([(i, *map(float, x[i]), int(y[i])) for i in range(len(y))],
+                               ["id", *names, "label"])
+    df = VectorAssembler(inputCols=names, outputCol="features").transform(df)
+    data = hs.save_dataframe(df, f"{folder}/train", columns=["id", "features", "label"])
+    refused = timed(lambda: hs.save_dataframe(df.selectExpr("id", "string(label) AS label"),
+                                              f"{folder}/refused"))
+    refused["written"] = __import__("os").path.exists(f"{folder}/refused")
+    return data, {"rows": data.rows, "shapes": data.shapes, "refused": refused}
 
 
 def timed(fn):
@@ -89,7 +127,8 @@ def main(master: str, out_path: str) -> None:
                                                      return_all=True))
         results["runner"] = timed(lambda: HorovodRunner(np=2).run(allreduce_job, scale=2.0))
         results["driver_local"] = timed(lambda: hs.run(allreduce_job, -2))
-        results["keras_torch"] = timed(lambda: hs.run(keras_job, 2,
+        data, results["saved"] = saved_dataframe(spark, os.path.dirname(out_path))
+        results["keras_torch"] = timed(lambda: hs.run(keras_job, 2, args=(data,),
                                                       env={"KERAS_BACKEND": "torch"}))
         results["failing"] = timed(lambda: hs.run(failing_job, 2))
         results["too_many"] = timed(lambda: hs.run(allreduce_job, 3, start_timeout=3))

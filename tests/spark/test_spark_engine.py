@@ -94,6 +94,18 @@ def test_python_api_run_runner_driver_local_and_errors(spark_cluster, tmp_path):
     kt = r["keras_torch"]["value"]
     assert kt["backend"] == "torch" and kt["size"] == 2 and kt["steps"] == 8
     assert kt["spread"] == 0.0 and kt["moved"] > 0
+    # ... on a DataFrame saved with save_dataframe (a VectorAssembler's vectors, a label): the
+    # rows in a shuffled order, each rank's shard half of them, none twice, the values Spark had.
+    saved = r["saved"]
+    assert saved["rows"] == 64 and saved["shapes"] == {"id": [], "features": [8], "label": []}
+    assert sorted(kt["whole_ids"]) == list(range(64)) and kt["whole_ids"] != list(range(64))
+    shard0, shard1 = kt["shards"]
+    assert len(shard0) == len(shard1) == 32 and sorted(shard0 + shard1) == list(range(64))
+    assert shard0 + shard1 == kt["whole_ids"]  # contiguous blocks of the saved order
+    assert kt["rows_match"] and kt["dtypes"] == ["float64", "int64"]
+    refused = saved["refused"]  # a string column: refused before Spark wrote anything
+    assert refused["error"] == "ValueError" and not refused["written"]
+    assert "column 'label' is string" in refused["message"] and "StringIndexer" in refused["message"]
     failing = r["failing"]
     assert failing["error"] == "SparkJobError"
     assert failing["message"].startswith("rank 1 (Spark task 1 on 127.0.0.1) first exited with 1")

@@ -191,3 +191,84 @@ def test_ctrl_c_reaches_driver_local_ranks(tmp_path):
     assert (tmp_path / "rank.0.int").exists() and (tmp_path / "rank.1.int").exists(), output
     assert driver.returncode == -signal.SIGINT, output[-2000:]
     assert left_after(str(tmp_path)) == []
+
+
+def saved_parts(tmp_path, sizes=(7, 0, 5, 4), group=3):
+    """Parquet files of ``sizes`` rows (row groups of ``group``), ids counting on across them, as
+    Spark's part files would hold a saved DataFrame: a :class:`SavedDataFrame` of them."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from hvdtrain.spark.data import SavedDataFrame
+    files, first = [], 0
+    for i, n in enumerate(sizes):
+        ids = np.arange(first, first + n, dtype=np.int64)
+        table = pa.table({
+            "id": ids,
+            "x": pa.array([[float(v), 2.0 * v, -float(v)] for v in ids],
+                          pa.list_(pa.float32())),
+            "img": pa.array([[[int(v), 1], [2, int(v) + 3]] for v in ids],
+                            pa.list_(pa.list_(pa.int32())))})
+        name = f"part-{i:05d}.parquet"
+        pq.write_table(table, tmp_path / name, row_group_size=group)
+        if n:
+            files.append((name, n))
+        first += n
+    return SavedDataFrame(path=str(tmp_path), columns=("id", "x", "img"), files=tuple(files),
+                          shapes={"id": (), "x": (3,), "img": (2, 2)})
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_every_rank_gets_an_equal_shard_of_a_saved_dataframe(tmp_path, drop_last):
+    import math
+
+    import numpy as np
+    data = saved_parts(tmp_path)
+    n = data.rows
+    assert n == len(data) == 16
+    whole = data.read()
+    assert whole["id"].tolist() == list(range(n))
+    assert whole["x"].shape == (n, 3) and whole["x"].dtype == np.float32
+    assert whole["img"].shape == (n, 2, 2) and whole["img"].dtype == np.int32
+    for size in (1, 2, 3, 5, 7, 16, 17):
+        if drop_last and size > n:
+            with pytest.raises(ValueError, match="every rank would get none"):
+                data.shard(0, size, drop_last=True)
+            continue
+        per = n // size if drop_last else math.ceil(n / size)
+        seen = []
+        for rank in range(size):
+            part = data.shard(rank, size, drop_last=drop_last)
+            # DistributedSampler's rule: a contiguous block, padded from the start of the data.
+            expect = [(rank * per + j) % n for j in range(per)]
+            assert part["id"].tolist() == expect, (size, rank)
+            assert (part["x"][:, 1] == 2 * part["id"]).all() and part["x"].shape == (per, 3)
+            assert (part["img"][:, 1, 1] == part["id"] + 3).all()
+            seen += expect
+        assert len(seen) == per * size
+        assert set(seen) == (set(range(per * size)) if drop_last else set(range(n)))
+    assert list(data.shard(1, 2, columns=["id"])) == ["id"]
+
+
+def test_a_shard_reads_only_its_row_groups_and_takes_rank_and_size_from_the_launcher(
+        tmp_path, monkeypatch):
+    import pyarrow.parquet as pq
+    data = saved_parts(tmp_path)
+    read = []
+    real = pq.ParquetFile.read_row_groups
+
+    def spy(self, groups, *args, **kwargs):
+        read.append(list(groups))
+        return real(self, groups, *args, **kwargs)
+    monkeypatch.setattr(pq.ParquetFile, "read_row_groups", spy)
+    monkeypatch.setenv("HOROVOD_RANK", "2")
+    monkeypatch.setenv("HOROVOD_SIZE", "4")
+    part = data.shard()  # rows 8-11: the second file's first two row groups (rows 7-9, 10-11)
+    assert part["id"].tolist() == [8, 9, 10, 11] and read == [[0, 1]]
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 4\), not 4"):
+        data.shard(4)
+    with pytest.raises(ValueError, match=r"unknown column\(s\) \['y'\]"):
+        data.read(["y"])
+    with pytest.raises(ValueError, match="size must be a whole number"):
+        data.shard(0, 0)
