@@ -37,6 +37,8 @@ setup(
         "keras": ["tensorflow>=2.16", "keras>=3.10"],
         # Keras 3 on the PyTorch backend (KERAS_BACKEND=torch).
         "keras-torch": ["keras>=3.10", "torch>=2.1"],
+        # PyTorch Lightning 2.x: hvdtrain.torch.lightning's Trainer(strategy="horovod").
+        "lightning": ["lightning>=2.0", "torch>=2.1"],
         "digits": ["scikit-learn>=1.4"],  # the demo dataset (--dataset digits)
         "test": ["pytest>=8", "scikit-learn>=1.4", "jsonschema>=4.18",
                  "kubernetes-validate>=1.30"],

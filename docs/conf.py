@@ -90,10 +90,10 @@ if os.environ.get("HVDTRAIN_DOCS_ONLINE") == "1":
 intersphinx_timeout = 5
 
 # Names that belong to other projects without an offline inventory (see above): numpy.ndarray,
-# torch.nn.Module, keras.Model, horovod.common.elastic.ObjectState, ray.train.backend.Backend, ...
-# in the code's annotations and docstrings are shown as code, not links. Anything else that does
-# not resolve fails the build.
-nitpick_ignore_regex = [(r"py:.*", r"(numpy|torch|keras|tensorflow|horovod|ray)\..+")]
+# torch.nn.Module, keras.Model, horovod.common.elastic.ObjectState, ray.train.backend.Backend,
+# lightning.pytorch.strategies.ParallelStrategy, ... in the code's annotations and docstrings are
+# shown as code, not links. Anything else that does not resolve fails the build.
+nitpick_ignore_regex = [(r"py:.*", r"(numpy|torch|keras|tensorflow|horovod|ray|lightning)\..+")]
 
 # ---- HTML --------------------------------------------------------------------------------------
 html_theme = "furo"

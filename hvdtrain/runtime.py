@@ -238,7 +238,7 @@ class RankInfo:
         size: world size (number of processes).
         local_size: processes on this host.
         threads: intra-op threads given to this rank (:func:`thread_budget`).
-        seed: the seed this rank used (:func:`rank_seed`).
+        seed: the seed this rank used (:func:`rank_seed`); None: ``init(seed=None)``.
         hosts: hosts in the job as Horovod sees them (``hvd.cross_size()``).
         device: where this rank computes: ``"cpu"`` or ``"cuda:N"`` (N = the GPU this rank was
             pinned to, its ``local_rank``; for Keras the physical GPU made visible to TensorFlow).
@@ -249,7 +249,7 @@ class RankInfo:
                  "horovod_settings")
 
     def __init__(self, rank: int, local_rank: int, size: int, local_size: int, threads: int,
-                 seed: int, hosts: int = 1, device: str = "cpu",
+                 seed: int | None, hosts: int = 1, device: str = "cpu",
                  horovod_settings: dict | None = None):
         self.rank, self.local_rank, self.size = rank, local_rank, size
         self.local_size, self.threads, self.seed, self.hosts = local_size, threads, seed, hosts

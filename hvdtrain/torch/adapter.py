@@ -35,12 +35,14 @@ from hvdtrain.torch.collectives import (all_finite, allreduce_sums, micro_batche
 from hvdtrain.torch.buffers import sync_buffers  # noqa: F401
 from hvdtrain.torch.scheduler import Warmup, warmup  # noqa: F401
 
-_COMPRESSIONS = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
-_OPS = {"average": hvd.Average, "adasum": hvd.Adasum}
+# distribute()'s choices (hvdtrain.torch.lightning's strategy checks its arguments against them).
+COMPRESSIONS = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
+OPS = {"average": hvd.Average, "adasum": hvd.Adasum}
 _distribute_calls = 0  # distribute() calls so far in this process: each model's tensor names
 
 
-def init(seed: int = 42, threads: int | None = None, device: str = "auto") -> runtime.RankInfo:
+def init(seed: int | None = 42, threads: int | None = None, device: str = "auto"
+         ) -> runtime.RankInfo:
     """Start Horovod, pin this rank to its GPU (if any), give it its share of the cores, and seed it.
 
     Calls ``hvd.init()``; with a GPU per rank on this host (``device="auto"``, the default) or
@@ -52,7 +54,8 @@ def init(seed: int = 42, threads: int | None = None, device: str = "auto") -> ru
     one all-reduce (every rank must call ``init``; :func:`hvdtrain.runtime.count_hosts`).
 
     Args:
-        seed: base seed.
+        seed: base seed; None leaves the random generators as they are (Lightning's
+            ``seed_everything`` has seeded them).
         threads: intra-op CPU threads for this rank (default: ``OMP_NUM_THREADS`` when set,
             else its share of the cores; :func:`hvdtrain.runtime.thread_budget`).
         device: ``"auto"``, ``"cpu"`` or ``"cuda"`` (:func:`hvdtrain.runtime.choose_device`).
@@ -74,9 +77,10 @@ def init(seed: int = 42, threads: int | None = None, device: str = "auto") -> ru
         torch.cuda.set_device(torch.device(where))
     threads = runtime.thread_budget(hvd.local_size()) if threads is None else int(threads)
     torch.set_num_threads(threads)
-    seed = runtime.rank_seed(seed, hvd.rank())
-    torch.manual_seed(seed)  # seeds every CUDA device too
-    runtime.seed_python_numpy(seed)
+    if seed is not None:  # None: the random generators as the caller left them
+        seed = runtime.rank_seed(seed, hvd.rank())
+        torch.manual_seed(seed)  # seeds every CUDA device too
+        runtime.seed_python_numpy(seed)
     hosts = runtime.count_hosts(hvd.local_rank(), hvd.cross_size(),
                                 lambda values: allreduce_sums(values, name="hvdtrain.hosts"))
     return runtime.remember_rank_info(runtime.RankInfo(
@@ -318,7 +322,7 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
             "hvd.DistributedOptimizer): call distribute() once per model, with the "
             "torch.optim optimizer you built, and train with the optimizer it returns (to "
             "change backward_passes_per_step on it: optimizer.set_backward_passes_per_step(k))")
-    check_distribute_args(backward_passes_per_step, compression, op, _COMPRESSIONS, _OPS)
+    check_distribute_args(backward_passes_per_step, compression, op, COMPRESSIONS, OPS)
     size = hvd.size()
     if op == "adasum" and not adasum_takes(size):
         raise ValueError(f"op='adasum' needs a power-of-2 number of ranks (Horovod 0.28.1 "
@@ -347,8 +351,8 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     named = [(prefix + n, p) for n, p in model.named_parameters() if id(p) in opt_params]
     wrapped = hvd.DistributedOptimizer(
         optimizer, named_parameters=named,
-        compression=DenseLayout(_COMPRESSIONS[compression]),
-        backward_passes_per_step=backward_passes_per_step, op=_OPS[op],
+        compression=DenseLayout(COMPRESSIONS[compression]),
+        backward_passes_per_step=backward_passes_per_step, op=OPS[op],
         gradient_predivide_factor=gradient_predivide_factor)
     # Groups added later (add_param_group) take these options: the scaled rate, as the groups
     # above got, and all-reduce names of this call's own (Horovod's patched late parameters).

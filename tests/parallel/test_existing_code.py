@@ -3,6 +3,7 @@
 PyTorch optimizer habits on the optimizer distribute() returns, several models in one program.
 Each trained case is compared with one process training on the global batch, and the two ranks
 with each other."""
+import importlib.util
 import json
 from pathlib import Path
 
@@ -61,6 +62,57 @@ def test_unnamed_collectives_after_hvd_join_with_uneven_data(pools, tmp_path):
             "reducescatter": [size * (size + 1) / 2],
             "grouped_allreduce": [[size * (size - 1) / 2], [float(size)] * 2],
         }, rank
+
+
+@pytest.fixture(scope="module")
+def lightning(pools, tmp_path_factory):
+    if importlib.util.find_spec("lightning") is None:  # make setup installs it (setup.sh)
+        pytest.skip("PyTorch Lightning is not installed (pip install hvdtrain[lightning])")
+    out = tmp_path_factory.mktemp("lightning") / "result.json"
+    pools.get().run(rank_script("lightning_checks.py"), "--out", out)
+    return json.loads(out.read_text())
+
+
+def test_a_lightning_trainer_with_strategy_horovod_trains_as_one_process(lightning):
+    """PyTorch Lightning 2.x's Trainer(strategy="horovod") (hvdtrain.torch.lightning; Lightning
+    2.0 removed its own): accumulate_grad_batches=4 over epochs of 6 micro-batches, clipping,
+    momentum and a StepLR, on the DistributedSampler the Trainer put in, equals one process on
+    the global batch (clipping the averaged gradients)."""
+    r = lightning["automatic"]
+    assert r["vs_reference"] < 1e-6 and r["rank_spread"] == 0.0
+    assert r["optimizer_steps"] == 4  # 2 epochs x (one group of 4 + one of 2)
+    assert r["lr"] == pytest.approx(0.05)  # 0.2 halved by the StepLR after each epoch
+    assert r["sampler"] == "DistributedSampler"
+    assert r["world_size"] == lightning["size"] == 2
+    assert r["global_rank"] == 0 and r["is_global_zero"] and r["rank_zero_only"] == 0
+
+
+def test_lightning_logs_gathers_and_checkpoints_through_horovod(lightning):
+    r = lightning["automatic"]
+    assert r["logged_spread"] == 0.0  # self.log(sync_dist=True): the mean over the ranks
+    assert r["gathered"] == [[0.0, 7.0], [1.0, 7.0]]  # self.all_gather: (size, ...)
+    assert r["checkpoints"] == ["last.ckpt"] and r["checkpoint_matches"]  # rank 0 wrote it
+
+
+def test_lightning_manual_optimization_with_two_optimizers(lightning):
+    """automatic_optimization=False, SGD and Adam on two parts of the model, manual_backward,
+    opt.step() and opt.zero_grad() through Lightning's optimizer wrappers (before: a
+    RecursionError in Horovod's zero_grad)."""
+    r = lightning["manual"]
+    assert r["vs_reference"] < 1e-6 and r["rank_spread"] == 0.0
+
+
+def test_lightning_refusals_and_collectives_say_what_to_do(lightning):
+    r = lightning["refusals"]
+    assert "Trainer(accumulate_grad_batches=k)" in r["accumulation_scheduler"]
+    assert r["reduce_op"].startswith("reduce_op 'product' is not supported")
+    assert r["reduce_sum"] == [2.0, 2.0] and r["reduce_int_mean"] == 0.5
+    assert r["broadcast"] == {"from": 1}
+    assert r["compression"] == "compression must be one of none, fp16; got 'int8'"
+    # torchmetrics over Horovod with metric_sync(): every rank's state; without, its own.
+    size = lightning["size"]
+    assert r["metrics"]["cat"] == [float(i) for rank in range(size) for i in range(rank + 2)]
+    assert r["metrics"]["alone"] == [0.0, 1.0] and r["metrics"]["sum"] == size * (size + 1) / 2
 
 
 @pytest.fixture(scope="module")

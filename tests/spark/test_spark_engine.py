@@ -105,7 +105,8 @@ def test_python_api_run_runner_driver_local_and_errors(spark_cluster, tmp_path):
     assert kt["rows_match"] and kt["dtypes"] == ["float64", "int64"]
     refused = saved["refused"]  # a string column: refused before Spark wrote anything
     assert refused["error"] == "ValueError" and not refused["written"]
-    assert "column 'label' is string" in refused["message"] and "StringIndexer" in refused["message"]
+    assert "column 'label' is string" in refused["message"]
+    assert "StringIndexer" in refused["message"]
     failing = r["failing"]
     assert failing["error"] == "SparkJobError"
     assert failing["message"].startswith("rank 1 (Spark task 1 on 127.0.0.1) first exited with 1")
