@@ -33,8 +33,8 @@ class SavedDataFrame:
     """A DataFrame saved by :func:`save_dataframe`: its Parquet files, in row order.
 
     Attributes:
-        path: the folder, as given (a local path on a file system every executor shares, or a
-            URI pyarrow opens, e.g. ``hdfs://...``).
+        path: the folder: an absolute local path on a file system every executor shares, or a
+            URI pyarrow opens, e.g. ``hdfs://...``.
         columns: the saved columns, in order.
         files: ``(file name, rows)`` of each non-empty Parquet file, in row order.
         shapes: each column's shape per row (``()`` for a scalar, ``(F,)`` for a vector or an
@@ -167,12 +167,26 @@ def _to_numpy(column, name: str, shape: tuple) -> np.ndarray:
     return values.reshape((n, *shape))
 
 
+def _normal_path(path: str) -> str:
+    """``path`` as every process reads it alike: a local path made absolute (the ranks run in
+    the executors' working directories), Databricks' ``dbfs:/x`` as its FUSE mount ``/dbfs/x``,
+    a URI as it is."""
+    path = os.fspath(path)
+    if path.startswith("dbfs:/") and not path.startswith("dbfs://"):
+        return "/dbfs/" + path[len("dbfs:/"):].lstrip("/")
+    return path if "://" in path else os.path.abspath(path)
+
+
 def _filesystem(path: str):
-    """``(pyarrow file system, path on it)`` for a local path or a URI."""
+    """``(pyarrow file system, path on it)`` for a local path or a URI; Hadoop's ``s3a://`` and
+    ``s3n://`` are pyarrow's ``s3://``."""
     from pyarrow import fs
     if "://" in path:
+        scheme, rest = path.split("://", 1)
+        if scheme in ("s3a", "s3n"):
+            path = "s3://" + rest
         return fs.FileSystem.from_uri(path)
-    return fs.LocalFileSystem(), os.path.abspath(path)
+    return fs.LocalFileSystem(), path
 
 
 def _spark_path(path: str) -> str:
@@ -181,7 +195,6 @@ def _spark_path(path: str) -> str:
     ``DBFSLocalStore`` did), a URI as it is."""
     if "://" in path:
         return path
-    path = os.path.abspath(path)
     if path.startswith("/dbfs/"):
         return "dbfs:" + path[len("/dbfs"):]
     return "file://" + path
@@ -274,9 +287,10 @@ def save_dataframe(df, path: str, columns: list[str] | None = None, *, shuffle: 
 
     Args:
         df: a Spark DataFrame (a classic or a Spark Connect session).
-        path: a new folder that the driver and every executor see: a shared local path
-            (``/dbfs/...`` on Databricks), or an ``hdfs://`` or ``s3://`` URI (pyarrow opens it
-            on the ranks).
+        path: a new or empty folder that the driver and every executor see: a shared local
+            path (relative ones are made absolute on the driver; ``/dbfs/...`` or ``dbfs:/...``
+            on Databricks), or an ``hdfs://`` or ``s3://`` URI (``s3a://`` for Spark on Hadoop
+            is read as ``s3://``; pyarrow opens it on the ranks).
         columns: the columns to save (default: all), e.g. features and label.
         shuffle: save the rows in a random order (``seed``), so that each rank's contiguous
             shard is a random sample even when ``df`` is sorted (e.g. by label).
@@ -286,28 +300,34 @@ def save_dataframe(df, path: str, columns: list[str] | None = None, *, shuffle: 
         A :class:`SavedDataFrame`, small and picklable: pass it to the ranks in ``args``.
 
     Raises:
-        ValueError: before anything is written: an unknown column or one of a type that is
-            not a number, a boolean, an array of them or a vector, ``path`` not empty without
-            ``overwrite``, no rows, a null, or arrays of different lengths in one column.
+        ValueError: before anything is written: an unknown or repeated column, one of a type
+            that is not a number, a boolean, an array of them or a vector, ``path`` not empty
+            without ``overwrite``, no rows, a null, or arrays of different lengths in one
+            column.
         RuntimeError: the driver does not find the rows the executors wrote (``path`` is not
-            shared).
+            shared, or the DataFrame gives other rows when computed again).
     """
     import pyarrow.parquet as pq
     from pyarrow.fs import FileSelector, FileType
     columns = list(df.columns if columns is None else columns)
     if not columns:
         raise ValueError("no columns to save")
+    if len(set(columns)) != len(columns):
+        raise ValueError(f"columns {columns} name a column twice")
     selected = _spark_columns(df, columns)
+    path = _normal_path(path)
     fs, root = _filesystem(path)
-    if fs.get_file_info(root).type != FileType.NotFound and not overwrite:
-        if fs.get_file_info(FileSelector(root, allow_not_found=True)):
-            raise ValueError(f"{path} is not empty: give a new folder or overwrite=True")
+    exists = fs.get_file_info(root).type != FileType.NotFound
+    if exists and not overwrite and fs.get_file_info(FileSelector(root)):
+        raise ValueError(f"{path} is not empty: give a new folder or overwrite=True")
     out = df.select(*selected)
     rows, shapes = _check_rows(out, columns)
     if shuffle:
         from pyspark.sql import functions as F
         out = out.orderBy(F.rand(seed))
-    out.write.mode("overwrite" if overwrite else "errorifexists").parquet(_spark_path(path))
+    # An empty folder that exists (mkdtemp) is written into: nothing in it to lose.
+    mode = "overwrite" if overwrite or exists else "errorifexists"
+    out.write.mode(mode).parquet(_spark_path(path))
     parts = sorted(i.base_name for i in fs.get_file_info(FileSelector(root))
                    if i.type == FileType.File and i.base_name.endswith(".parquet")
                    and not i.base_name.startswith(("_", ".")))
@@ -320,6 +340,8 @@ def save_dataframe(df, path: str, columns: list[str] | None = None, *, shuffle: 
     saved = SavedDataFrame(path=path, columns=tuple(columns), files=tuple(files), shapes=shapes)
     if saved.rows != rows:
         raise RuntimeError(f"Spark counted {rows} rows but {path} holds {saved.rows} in "
-                           f"{len(files)} Parquet file(s): does the driver see the same folder "
-                           "as the executors?")
+                           f"{len(files)} Parquet file(s): either the driver does not see the "
+                           "folder the executors wrote, or the DataFrame gives other rows each "
+                           "time it is computed (an unseeded sample, a limit without an order, "
+                           "a changing source: df.cache() or seed it)")
     return saved

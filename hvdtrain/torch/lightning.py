@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import os
-from contextlib import nullcontext
+import weakref
 
 import horovod.torch as hvd
 import torch
@@ -62,7 +62,7 @@ class HorovodEnvironment(ClusterEnvironment):
 
     @property
     def main_address(self) -> str:
-        """Horovod's rendezvous address, which Lightning does not use (Horovod connects the ranks)."""
+        """Horovod's rendezvous address, unused by Lightning (Horovod connects the ranks)."""
         return os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1")
 
     @property
@@ -146,27 +146,30 @@ class HorovodStrategy(ParallelStrategy):
         accelerator, parallel_devices, checkpoint_io, precision_plugin: as Lightning's strategies
             (the Trainer fills them).
         compression: ``"none"`` or ``"fp16"`` (gradients sent as float16).
-        op: ``"average"`` or ``"adasum"`` (Maleki et al. 2020; Adasum combines updates inside
-            ``step()``).
-        gradient_predivide_factor: passed to Horovod (average op only).
+        gradient_predivide_factor: passed to Horovod.
+
+    Horovod's Adasum is not offered here: it applies the update in the backward hooks, where
+    Lightning's clipping and AMP's unscale cannot act.
 
     Raises:
-        ValueError: at once, an unknown ``compression`` or ``op``; at ``fit``, a
-            ``GradientAccumulationScheduler`` callback (Horovod's
-            ``backward_passes_per_step`` is fixed: use ``Trainer(accumulate_grad_batches=k)``),
-            or what :func:`hvdtrain.torch.distribute` refuses; a reduce op Horovod has not.
+        ValueError: at once, an unknown ``compression``; at ``fit``, before any hook of the
+            module runs, a ``GradientAccumulationScheduler`` callback (Horovod's
+            ``backward_passes_per_step`` is fixed: use ``Trainer(accumulate_grad_batches=k)``);
+            a second ``fit`` of the same module in one process (Horovod's hooks stay on its
+            parameters); what :func:`hvdtrain.torch.distribute` refuses; a reduce op Horovod
+            has not.
     """
 
     strategy_name = "horovod"
 
     def __init__(self, accelerator=None, parallel_devices=None, checkpoint_io=None,
-                 precision_plugin=None, *, compression: str = "none", op: str = "average",
+                 precision_plugin=None, *, compression: str = "none",
                  gradient_predivide_factor: float = 1.0):
-        check_distribute_args(1, compression, op, adapter.COMPRESSIONS, adapter.OPS)
+        check_distribute_args(1, compression, "average", adapter.COMPRESSIONS, adapter.OPS)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=HorovodEnvironment(), checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        self._distribute_args = dict(compression=compression, op=op,
+        self._distribute_args = dict(compression=compression,
                                      gradient_predivide_factor=gradient_predivide_factor)
 
     def _device_kind(self) -> str:
@@ -193,8 +196,31 @@ class HorovodStrategy(ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict:
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
+    @property
+    def optimizers(self) -> list:
+        return self._optimizers
+
+    @optimizers.setter
+    def optimizers(self, optimizers: list) -> None:
+        # Lightning's LightningOptimizer is an instance of a subclass of the optimizer's class:
+        # Horovod's methods (super(self.__class__, self)) would call themselves forever on it,
+        # and hvdtrain's zero_grad and synchronize are the optimizer instance's own. Each time
+        # Lightning makes its wrappers (here), they get the distributed optimizer's methods.
+        ParallelStrategy.optimizers.fset(self, optimizers)
+        for facade, optimizer in zip(self._lightning_optimizers, optimizers):
+            for name in ("zero_grad", "synchronize", "skip_synchronize",
+                         "set_backward_passes_per_step"):
+                if _horovod_wrapped(optimizer) and hasattr(optimizer, name):
+                    setattr(facade, name, getattr(optimizer, name))
+
     def setup_environment(self) -> None:
         _started(self._device_kind())
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and any(isinstance(c, GradientAccumulationScheduler)
+                                       for c in trainer.callbacks):
+            raise ValueError("strategy='horovod' takes a fixed accumulation: replace the "
+                             "GradientAccumulationScheduler callback with "
+                             "Trainer(accumulate_grad_batches=k)")
         super().setup_environment()
 
     def model_to_device(self) -> None:
@@ -202,38 +228,37 @@ class HorovodStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     def setup(self, trainer) -> None:
-        if any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):
-            raise ValueError("strategy='horovod' takes a fixed accumulation: replace the "
-                             "GradientAccumulationScheduler callback with "
-                             "Trainer(accumulate_grad_batches=k)")
+        module = self.lightning_module
+        if trainer.state.fn == TrainerFn.FITTING and module in _FITTED:
+            raise ValueError(
+                "this LightningModule was already trained with strategy='horovod' in this "
+                "process, and Horovod's gradient hooks stay on its parameters (a second fit "
+                "would all-reduce every gradient twice): fit a new module, e.g. one loaded with "
+                "this one's state_dict() or a checkpoint (trainer.fit(model, ckpt_path=...))")
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        module, k = self.lightning_module, trainer.accumulate_grad_batches
-        wrapped = []
+        k, wrapped = trainer.accumulate_grad_batches, []
         for optimizer in self.optimizers:
+            if type(optimizer).__name__ == "_MockOptimizer":  # configure_optimizers gave none
+                wrapped.append(optimizer)
+                continue
             _, distributed = distribute(module, optimizer, backward_passes_per_step=k,
                                         lr_scaling="none", **self._distribute_args)
+            _keep_param_groups_on_load(distributed)
             for config in self.lr_scheduler_configs:  # the wrapper shares the param groups
                 if getattr(config.scheduler, "optimizer", None) is optimizer:
                     config.scheduler.optimizer = distributed
                     _tell_schedulers_of_steps(distributed)
             wrapped.append(distributed)
+        _FITTED.add(module)
         self.optimizers = wrapped
-        # Lightning's LightningOptimizer is an instance of a subclass of the optimizer's class:
-        # Horovod's methods (super(self.__class__, self)) would call themselves forever on it,
-        # and hvdtrain's zero_grad and synchronize are the optimizer instance's own.
-        for facade, distributed in zip(self._lightning_optimizers, wrapped):
-            for name in ("zero_grad", "synchronize", "skip_synchronize",
-                         "set_backward_passes_per_step"):
-                if hasattr(distributed, name):
-                    setattr(facade, name, getattr(distributed, name))
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         """Lightning's closure (forward, backward) and the all-reduce's end first, then the
         precision plugin's step (unscale, clip, ``optimizer.step()`` without a second
         synchronize)."""
-        if not hasattr(optimizer, "skip_synchronize"):  # Adasum: all in step()
+        if not _horovod_wrapped(optimizer):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
         def closure_then_synchronize():
@@ -244,24 +269,29 @@ class HorovodStrategy(ParallelStrategy):
             return super().optimizer_step(optimizer, closure_then_synchronize, model, **kwargs)
 
     def reduce(self, tensor, group=None, reduce_op="mean"):
-        """All-reduce ``tensor`` (a number or a tensor of any shape) over the ranks: ``"mean"``
-        (default), ``"sum"``, ``"max"`` or ``"min"``; integer means come back as float."""
+        """All-reduce ``tensor`` (any shape) over the ranks: ``"mean"`` (default), ``"sum"``,
+        ``"max"`` or ``"min"``; an integer mean comes back as float64. Anything but a tensor is
+        returned as it is (as Lightning's DDP strategy does)."""
         if group is not None:
             raise ValueError("strategy='horovod' reduces over all ranks: group must be None")
         name = _reduce_op(reduce_op)
         if not isinstance(tensor, torch.Tensor):
-            tensor = torch.as_tensor(tensor, device=self.root_device)
+            return tensor
         if name in ("mean", "avg") and not tensor.is_floating_point():
             tensor = tensor.double()
         return hvd.allreduce(tensor, op=_REDUCE_OPS[name])
 
     def all_gather(self, tensor: torch.Tensor, group=None, sync_grads: bool = False):
-        """Every rank's ``tensor`` stacked: shape ``(size, *tensor.shape)``; gradients flow back
-        with ``sync_grads``."""
+        """Every rank's ``tensor`` stacked: shape ``(size, *tensor.shape)``. With ``sync_grads``
+        the gradient flows back summed over the ranks, as torch.distributed's all_gather does
+        (Horovod's own averages it)."""
         if group is not None:
             raise ValueError("strategy='horovod' gathers from all ranks: group must be None")
-        with nullcontext() if sync_grads else torch.no_grad():
-            return hvd.allgather(tensor.contiguous().unsqueeze(0))
+        if not sync_grads:
+            with torch.no_grad():
+                return hvd.allgather(tensor.contiguous().unsqueeze(0))
+        gathered = hvd.allgather(tensor.contiguous().unsqueeze(0))
+        return _GradientTimes.apply(gathered, float(hvd.size()))
 
     def barrier(self, name: str | None = None) -> None:
         if hvd.is_initialized():
@@ -270,6 +300,44 @@ class HorovodStrategy(ParallelStrategy):
     def broadcast(self, obj, src: int = 0):
         """``obj`` (any picklable object) from rank ``src`` to every rank."""
         return hvd.broadcast_object(obj, root_rank=src)
+
+
+_FITTED: "weakref.WeakSet" = weakref.WeakSet()  # modules whose parameters carry Horovod's hooks
+
+
+def _horovod_wrapped(optimizer) -> bool:
+    """An optimizer :func:`hvdtrain.torch.distribute` returned (Horovod's average op)."""
+    return hasattr(optimizer, "synchronize") and hasattr(optimizer, "skip_synchronize")
+
+
+def _keep_param_groups_on_load(optimizer) -> None:
+    """``load_state_dict`` (Lightning's resume) puts the saved groups' values into the existing
+    param-group dicts instead of new ones: the optimizer ``distribute`` wrapped and every
+    scheduler built on it (a ``SequentialLR``'s own schedulers too) share those dicts, and would
+    otherwise drive groups the wrapper no longer uses."""
+    load = optimizer.load_state_dict
+
+    def load_state_dict(state_dict):
+        groups = optimizer.param_groups
+        load(state_dict)
+        for old, new in zip(groups, optimizer.param_groups):
+            old.clear()
+            old.update(new)
+        optimizer.param_groups = groups
+    optimizer.load_state_dict = load_state_dict
+
+
+class _GradientTimes(torch.autograd.Function):
+    """The identity forward; the gradient times ``factor`` backward."""
+
+    @staticmethod
+    def forward(ctx, tensor, factor):
+        ctx.factor = factor
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
 
 
 def allgather_by_rank(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
@@ -301,8 +369,12 @@ def metric_sync() -> dict:
         ``{"dist_sync_fn": allgather_by_rank, "distributed_available_fn": ...}`` (the latter
         true with more than one rank).
     """
-    return {"dist_sync_fn": allgather_by_rank,
-            "distributed_available_fn": lambda: hvd.is_initialized() and hvd.size() > 1}
+    return {"dist_sync_fn": allgather_by_rank, "distributed_available_fn": _several_ranks}
+
+
+def _several_ranks() -> bool:
+    """More than one Horovod rank (a function of the module: metrics stay picklable)."""
+    return hvd.is_initialized() and hvd.size() > 1
 
 
 # Lightning's rank_zero_only helpers read RANK, SLURM_PROCID, ... when Lightning is imported,

@@ -76,22 +76,42 @@ def lightning(pools, tmp_path_factory):
 def test_a_lightning_trainer_with_strategy_horovod_trains_as_one_process(lightning):
     """PyTorch Lightning 2.x's Trainer(strategy="horovod") (hvdtrain.torch.lightning; Lightning
     2.0 removed its own): accumulate_grad_batches=4 over epochs of 6 micro-batches, clipping,
-    momentum and a StepLR, on the DistributedSampler the Trainer put in, equals one process on
-    the global batch (clipping the averaged gradients)."""
+    momentum and a SequentialLR (warmup, then StepLR), on the DistributedSampler the Trainer put
+    in, equals one process on the global batch (clipping the averaged gradients)."""
     r = lightning["automatic"]
     assert r["vs_reference"] < 1e-6 and r["rank_spread"] == 0.0
     assert r["optimizer_steps"] == 4  # 2 epochs x (one group of 4 + one of 2)
-    assert r["lr"] == pytest.approx(0.05)  # 0.2 halved by the StepLR after each epoch
+    assert r["lr"] == pytest.approx(r["reference_lr"]) == pytest.approx(0.1)
     assert r["sampler"] == "DistributedSampler"
-    assert r["world_size"] == lightning["size"] == 2
-    assert r["global_rank"] == 0 and r["is_global_zero"] and r["rank_zero_only"] == 0
+    size = lightning["size"]
+    assert r["world_size"] == size == 2 and r["global_rank"] == list(range(size))
+    assert r["is_global_zero"] == [True] + [False] * (size - 1)
+    assert r["rank_zero_only"] == list(range(size))
+    # hvdtrain.torch.init(seed=None), which the strategy calls: the random generators untouched
+    assert lightning["init_seed_none"] == {"seed": None, "rng_unchanged": True}
+
+
+def test_lightning_resumes_from_a_checkpoint_with_its_schedule(lightning):
+    """One epoch, then a new module and Trainer resumed from the checkpoint (ckpt_path): the
+    uninterrupted reference's weights and learning rate. Before, the optimizer's loaded state
+    replaced the param groups that the SequentialLR's own schedulers drive (lr 0.2, not 0.1)."""
+    r = lightning["resumed"]
+    assert r["vs_reference"] < 1e-6 and r["rank_spread"] == 0.0
+    assert r["lr"] == pytest.approx(r["reference_lr"])
 
 
 def test_lightning_logs_gathers_and_checkpoints_through_horovod(lightning):
     r = lightning["automatic"]
     assert r["logged_spread"] == 0.0  # self.log(sync_dist=True): the mean over the ranks
     assert r["gathered"] == [[0.0, 7.0], [1.0, 7.0]]  # self.all_gather: (size, ...)
-    assert r["checkpoints"] == ["last.ckpt"] and r["checkpoint_matches"]  # rank 0 wrote it
+    # all_gather(sync_grads=True) sends gradients back summed over the ranks, as under DDP
+    # (Horovod's own allgather averages them): sum over ranks j of (j + 1)
+    size = lightning["size"]
+    assert r["gathered_grad"] == [size * (size + 1) / 2] * size
+    assert r["checkpoints"] == ["last.ckpt"] and r["checkpoint_matches"]
+    assert r["checkpoints_written"][0] > 0 and r["checkpoints_written"][1:] == [0] * (size - 1)
+    assert r["fit_again"].startswith("this LightningModule was already trained with "
+                                     "strategy='horovod' in this process")
 
 
 def test_lightning_manual_optimization_with_two_optimizers(lightning):
@@ -107,6 +127,7 @@ def test_lightning_refusals_and_collectives_say_what_to_do(lightning):
     assert "Trainer(accumulate_grad_batches=k)" in r["accumulation_scheduler"]
     assert r["reduce_op"].startswith("reduce_op 'product' is not supported")
     assert r["reduce_sum"] == [2.0, 2.0] and r["reduce_int_mean"] == 0.5
+    assert r["reduce_other"] == "not a tensor"  # returned as it is, as DDP's reduce does
     assert r["broadcast"] == {"from": 1}
     assert r["compression"] == "compression must be one of none, fp16; got 'int8'"
     # torchmetrics over Horovod with metric_sync(): every rank's state; without, its own.

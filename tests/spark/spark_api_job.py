@@ -91,11 +91,14 @@ def saved_dataframe(spark, folder):
     df = spark.createDataFrame([(i, *map(float, x[i]), int(y[i])) for i in range(len(y))],
                                ["id", *names, "label"])
     df = VectorAssembler(inputCols=names, outputCol="features").transform(df)
+    os.makedirs(f"{folder}/train")  # a folder that exists, empty (mkdtemp's)
     data = hs.save_dataframe(df, f"{folder}/train", columns=["id", "features", "label"])
     refused = timed(lambda: hs.save_dataframe(df.selectExpr("id", "string(label) AS label"),
                                               f"{folder}/refused"))
-    refused["written"] = __import__("os").path.exists(f"{folder}/refused")
-    return data, {"rows": data.rows, "shapes": data.shapes, "refused": refused}
+    refused["written"] = os.path.exists(f"{folder}/refused")
+    twice = timed(lambda: hs.save_dataframe(df, f"{folder}/twice", columns=["id", "id"]))
+    return data, {"rows": data.rows, "shapes": data.shapes, "refused": refused,
+                  "twice": twice, "path": data.path}
 
 
 def timed(fn):

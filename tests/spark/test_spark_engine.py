@@ -107,6 +107,8 @@ def test_python_api_run_runner_driver_local_and_errors(spark_cluster, tmp_path):
     assert refused["error"] == "ValueError" and not refused["written"]
     assert "column 'label' is string" in refused["message"]
     assert "StringIndexer" in refused["message"]
+    assert saved["twice"]["message"] == "columns ['id', 'id'] name a column twice"
+    assert saved["path"] == str(out.parent / "train")  # an empty folder that existed: written
     failing = r["failing"]
     assert failing["error"] == "SparkJobError"
     assert failing["message"].startswith("rank 1 (Spark task 1 on 127.0.0.1) first exited with 1")

@@ -272,3 +272,18 @@ def test_a_shard_reads_only_its_row_groups_and_takes_rank_and_size_from_the_laun
         data.read(["y"])
     with pytest.raises(ValueError, match="size must be a whole number"):
         data.shard(0, 0)
+
+
+def test_saved_dataframe_paths_read_alike_on_every_process(tmp_path, monkeypatch):
+    """Relative paths are made absolute on the driver (ranks run in the executors' working
+    directories); Databricks' two spellings; Spark's explicit file:// (its default file system
+    may be HDFS); Hadoop's s3a:// read by pyarrow as s3://."""
+    from hvdtrain.spark.data import _filesystem, _normal_path, _spark_path
+    monkeypatch.chdir(tmp_path)
+    assert _normal_path("store/train") == str(tmp_path / "store" / "train")
+    assert _normal_path("dbfs:/ml/train") == "/dbfs/ml/train"
+    assert _normal_path("hdfs://nn:8020/ml/train") == "hdfs://nn:8020/ml/train"
+    assert _spark_path("/dbfs/ml/train") == "dbfs:/ml/train"
+    assert _spark_path(str(tmp_path)) == f"file://{tmp_path}"
+    fs, where = _filesystem(str(tmp_path))
+    assert type(fs).__name__ == "LocalFileSystem" and where == str(tmp_path)
