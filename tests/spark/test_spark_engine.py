@@ -5,6 +5,7 @@ to >= 98.9 % (Keras), a worker killed mid-job and the ``--resume auto`` rerun, a
 ranks for the slots."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -111,7 +112,10 @@ def test_python_api_run_runner_driver_local_and_errors(spark_cluster, tmp_path):
     assert saved["path"] == str(out.parent / "train")  # an empty folder that existed: written
     failing = r["failing"]
     assert failing["error"] == "SparkJobError"
-    assert failing["message"].startswith("rank 1 (Spark task 1 on 127.0.0.1) first exited with 1")
+    # Rank 1, which raised, is named first; " first" when rank 0 had failed too by then (its
+    # collective broke), which under load it may not have before Spark ended the stage.
+    assert re.match(r"rank 1 \(Spark task 1 on 127\.0\.0\.1\)( first)? exited with 1",
+                    failing["message"]), failing["message"][:300]
     assert "ValueError: boom on rank 1" in failing["message"]
     too_many = r["too_many"]
     assert too_many["error"] == "NotEnoughSlotsError" and too_many["seconds"] < 30
