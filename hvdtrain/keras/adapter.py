@@ -45,7 +45,7 @@ from hvdtrain.keras.optimizer import (GradientAllreduce, LossScaleHooks, NonFini
 from hvdtrain.keras.scheduler import WarmupSchedule
 from hvdtrain.keras.sharding import sharded_fit_defaults
 
-_OPS = {"average": "average"}
+OPS = {"average": "average"}
 NONFINITE_MODES = ("skip", "stop")
 log = logging.getLogger("hvdtrain")
 
@@ -320,7 +320,7 @@ def distribute(model: keras.Model, optimizer: keras.optimizers.Optimizer, *,
             when k > 1, or created with another ``gradient_accumulation_steps``, or a
             learning rate that is a plain callable.
     """
-    check_distribute_args(backward_passes_per_step, compression, op, B.COMPRESSIONS, _OPS)
+    check_distribute_args(backward_passes_per_step, compression, op, B.COMPRESSIONS, OPS)
     if on_nonfinite is not None and on_nonfinite not in NONFINITE_MODES:
         raise ValueError(f"on_nonfinite must be None, 'skip' or 'stop'; got {on_nonfinite!r}")
     _require_built(model)

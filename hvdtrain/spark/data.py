@@ -248,11 +248,11 @@ def _check_rows(out, columns: list[str]) -> tuple[int, dict]:
             # flat: an array of this level's arrays (level 0: the row's own array).
             sizes = F.size(flat) if level == 0 else F.transform(flat, F.size)
             lo, hi = (sizes, sizes) if level == 0 else (F.array_min(sizes), F.array_max(sizes))
-            inner = flat if level == 0 else F.flatten(flat)
+            inner = flat if level == 0 else F.flatten(flat)  # this level's values, all rows
             aggs += [F.min(lo).alias(f"lo{i}_{level}"), F.max(hi).alias(f"hi{i}_{level}"),
                      F.count(F.when(F.exists(inner, lambda x: x.isNull()), 1))
                      .alias(f"in{i}_{level}")]
-            flat = flat if level == 0 else F.flatten(flat)
+            flat = inner
             kind, level = kind.elementType, level + 1
         levels[c] = level
     got = out.agg(*aggs).first().asDict()

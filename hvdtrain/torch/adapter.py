@@ -215,7 +215,7 @@ def _scale_groups(optimizer: torch.optim.Optimizer, factor: float) -> None:
         group["hvdtrain_lr_scale"] = factor
 
 
-def _horovod_wrapped(optimizer) -> bool:
+def horovod_wrapped(optimizer) -> bool:
     """True for an optimizer that ``hvd.DistributedOptimizer`` returned (directly, or through
     :func:`distribute`): Horovod builds its class by copying the methods of its own wrapper
     (not ``step``, which torch.optim re-wraps for its profiler)."""
@@ -316,7 +316,7 @@ def distribute(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
             ``distribute`` or ``hvd.DistributedOptimizer``); the message says what to change.
     """
     global _distribute_calls
-    if _horovod_wrapped(optimizer):
+    if horovod_wrapped(optimizer):
         raise ValueError(
             "this optimizer is already distributed (it came from hvdtrain.torch.distribute() or "
             "hvd.DistributedOptimizer): call distribute() once per model, with the "

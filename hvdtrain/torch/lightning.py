@@ -36,7 +36,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from hvdtrain import runtime
 from hvdtrain.accumulation import check_distribute_args
 from hvdtrain.torch import adapter
-from hvdtrain.torch.adapter import distribute, init
+from hvdtrain.torch.adapter import distribute, horovod_wrapped, init
 
 __all__ = ["HorovodEnvironment", "HorovodStrategy", "allgather_by_rank", "metric_sync"]
 
@@ -210,7 +210,7 @@ class HorovodStrategy(ParallelStrategy):
         for facade, optimizer in zip(self._lightning_optimizers, optimizers):
             for name in ("zero_grad", "synchronize", "skip_synchronize",
                          "set_backward_passes_per_step"):
-                if _horovod_wrapped(optimizer) and hasattr(optimizer, name):
+                if horovod_wrapped(optimizer) and hasattr(optimizer, name):
                     setattr(facade, name, getattr(optimizer, name))
 
     def setup_environment(self) -> None:
@@ -258,7 +258,7 @@ class HorovodStrategy(ParallelStrategy):
         """Lightning's closure (forward, backward) and the all-reduce's end first, then the
         precision plugin's step (unscale, clip, ``optimizer.step()`` without a second
         synchronize)."""
-        if not _horovod_wrapped(optimizer):
+        if not horovod_wrapped(optimizer):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
         def closure_then_synchronize():
@@ -303,11 +303,6 @@ class HorovodStrategy(ParallelStrategy):
 
 
 _FITTED: "weakref.WeakSet" = weakref.WeakSet()  # modules whose parameters carry Horovod's hooks
-
-
-def _horovod_wrapped(optimizer) -> bool:
-    """An optimizer :func:`hvdtrain.torch.distribute` returned (Horovod's average op)."""
-    return hasattr(optimizer, "synchronize") and hasattr(optimizer, "skip_synchronize")
 
 
 def _keep_param_groups_on_load(optimizer) -> None:
